@@ -1,0 +1,14 @@
+"""Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
+from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
+from .mirror import CudaHostRegister, Pinner
+from .residency import plan_residency
+
+__all__ = [
+    "CudaHostRegister",
+    "GroupOffloadHandle",
+    "OffloadConfig",
+    "Pinner",
+    "apply_group_offload",
+    "handle_of",
+    "plan_residency",
+]

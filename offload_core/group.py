@@ -1,0 +1,127 @@
+"""A group of consecutive blocks and the tensors it owns.
+
+The group decides *how* its tensors move: it re-points every parameter and buffer at a set of
+views (of the host mirror, of a device slab, or of its own resident buffer).  It never copies on
+its own; the scheduler in ``engine.py`` decides *when*.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .mirror import HostMirror, Pinner, pack_layout, segment_views
+
+#: Writes a tensor's weights into its host-mirror view (the loader reads a file straight in).
+FillFn = Callable[[str, torch.Tensor], None]
+
+
+class _Binding:
+    """Every place one packed tensor is referenced from: a Parameter, and/or buffer slots."""
+
+    __slots__ = ("qualname", "param", "buffer_slots")
+
+    def __init__(self, qualname: str, param: nn.Parameter | None) -> None:
+        self.qualname = qualname
+        self.param = param
+        self.buffer_slots: list[tuple[dict, str]] = []
+
+    def point_at(self, tensor: torch.Tensor) -> None:
+        if self.param is not None:
+            self.param.data = tensor
+        for slots, name in self.buffer_slots:
+            slots[name] = tensor
+
+
+def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_Binding], list[torch.Tensor]]:
+    """The group's tensors, each once: a tied parameter (one Parameter object) stays one binding."""
+    by_id: dict[int, _Binding] = {}
+    bindings, tensors = [], []
+    for block in blocks:
+        for module in block.modules():
+            prefix = qualnames[id(module)]
+            for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    binding = by_id.get(id(tensor))
+                    if binding is None:
+                        binding = _Binding(prefix + name, tensor if kind == "param" else None)
+                        by_id[id(tensor)] = binding
+                        bindings.append(binding)
+                        tensors.append(tensor)
+                    if kind == "buffer":
+                        binding.buffer_slots.append((table, name))
+    return bindings, tensors
+
+
+class ModuleGroup:
+    """Consecutive blocks whose tensors travel together in one packed copy."""
+
+    def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None) -> None:
+        self.index = index
+        self.blocks = blocks
+        self.bindings, tensors = _collect(blocks, qualnames)
+        segments, nbytes = pack_layout(tensors)
+        self.mirror = HostMirror(segments, nbytes, torch.device("cpu"))
+        for binding, tensor, view in zip(self.bindings, tensors, self.mirror.views):
+            if fill is not None:
+                fill(binding.qualname, view)
+            else:
+                view.copy_(tensor)
+        del tensors  # the old storage goes as soon as the bindings point elsewhere
+        self.bind(self.mirror.views)
+        self.resident = False
+        self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
+        self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
+        self._views: dict[int, list[torch.Tensor]] = {}  # slab data_ptr -> views into it
+
+    @property
+    def nbytes(self) -> int:
+        return self.mirror.nbytes
+
+    @property
+    def onloaded(self) -> bool:
+        return self.slab is not None
+
+    def qualnames(self) -> list[str]:
+        return [b.qualname for b in self.bindings]
+
+    def pin(self, pinner: Pinner) -> bool:
+        return self.mirror.pin(pinner)
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        for binding, view in zip(self.bindings, views):
+            binding.point_at(view)
+
+    def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``slab`` laid out like the mirror, cached: building them costs more than a copy."""
+        key = slab.data_ptr()
+        if key not in self._views:
+            self._views[key] = segment_views(slab, self.mirror.segments)
+        return self._views[key]
+
+    def onload_(self, slab: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
+        """Copy the mirror into ``slab`` (one copy) and point the modules at it."""
+        slab[: self.nbytes].copy_(self.mirror.buffer, non_blocking=non_blocking)
+        views = self.device_views(slab)
+        self.bind(views)
+        self.slab = slab
+        return views
+
+    def offload_(self) -> torch.Tensor | None:
+        """Point the modules back at the mirror (no copy) and hand the slab back."""
+        self.bind(self.mirror.views)
+        slab, self.slab, self.ready = self.slab, None, None
+        return slab
+
+    def drop_device_views(self) -> None:
+        """Forget the cached views, so that freed slabs are not kept alive by them."""
+        self._views.clear()
+
+    def release(self) -> None:
+        """Drop device views and pinned memory; the modules keep computing from ordinary host memory."""
+        self.offload_()
+        self.drop_device_views()
+        self.mirror.unpin()

@@ -1,0 +1,64 @@
+"""The transfer ledger: what crossed the bus, how often, and what it cost the host and the GPU."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class TransferLedger:
+    """Counters behind ``GroupOffloadHandle.stats()``.
+
+    ``bytes_d2h`` exists to be read, not written: this engine never copies weights back, and the
+    benchmarks compare it against baselines that do.
+    """
+
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    copies_h2d: int = 0
+    copies_d2h: int = 0
+    onloads: int = 0  # groups brought onto the device (streamed or resident)
+    sync_onloads: int = 0  # of those, onloads the compute had to wait for on the host side
+    prefetches: int = 0
+    hook_seconds: float = 0.0  # host time spent inside the hooks
+    hook_calls: int = 0  # group entries (each streamed or resident group run counts once)
+    _wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
+    _wait_ms: float = 0.0
+
+    def record_copy(self, nbytes: int) -> None:
+        self.bytes_h2d += nbytes
+        self.copies_h2d += 1
+
+    def record_wait(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._wait_events.append((start, end))
+
+    def wait_ms(self) -> float:
+        """GPU time the compute stream spent waiting for copies (synchronizes pending events)."""
+        for start, end in self._wait_events:
+            end.synchronize()
+            self._wait_ms += start.elapsed_time(end)
+        self._wait_events.clear()
+        return self._wait_ms
+
+    def as_dict(self) -> dict[str, float | int]:
+        stats = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        stats["compute_wait_ms"] = self.wait_ms()
+        stats["hook_us_per_group"] = 1e6 * self.hook_seconds / self.hook_calls if self.hook_calls else 0.0
+        return stats
+
+
+class HookTimer:
+    """Adds the host time of a hook body to the ledger; cheap enough to run on every call."""
+
+    __slots__ = ("ledger", "start")
+
+    def __init__(self, ledger: TransferLedger) -> None:
+        self.ledger = ledger
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.ledger.hook_seconds += time.perf_counter() - self.start

@@ -1,0 +1,93 @@
+"""Packed host mirrors: every tensor of a group in one contiguous (optionally pinned) byte buffer.
+
+A group's parameters and buffers are laid out back to back in a single ``uint8`` buffer, each
+segment aligned so that it can be viewed as its own dtype.  One buffer per group means one
+host-to-device copy per group, whatever mix of dtypes it holds.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 256  # bytes; what CUDA's allocator guarantees, so device views stay kernel-friendly
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one tensor lives inside a packed buffer."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+def pack_layout(tensors: list[torch.Tensor]) -> tuple[list[Segment], int]:
+    """Aligned segments for ``tensors`` and the total size of the buffer that holds them."""
+    segments, cursor = [], 0
+    for t in tensors:
+        segments.append(Segment(cursor, t.dtype, t.shape))
+        cursor += -(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT
+    return segments, cursor
+
+
+def segment_views(buffer: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    """Typed, shaped views of ``buffer`` (a flat ``uint8`` tensor) for each segment."""
+    return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in segments]
+
+
+class Pinner(Protocol):
+    """Registers host memory for DMA in place (no copy, exact size) and releases it again."""
+
+    def pin(self, buffer: torch.Tensor) -> bool: ...
+
+    def unpin(self, buffer: torch.Tensor) -> None: ...
+
+
+class CudaHostRegister:
+    """Pins existing host memory with ``cudaHostRegister``.
+
+    torch's own pinned allocator rounds every block up to a power of two (a 680 MB group would pin
+    1 GiB); registering the buffer we already have pins exactly its size and copies nothing.
+    """
+
+    def pin(self, buffer: torch.Tensor) -> bool:
+        nbytes = buffer.numel() * buffer.element_size()
+        return nbytes > 0 and torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0) == 0
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class HostMirror:
+    """The host copy of one group: a packed buffer, its typed views and its pinned state."""
+
+    def __init__(self, segments: list[Segment], nbytes: int, device: torch.device) -> None:
+        self.segments = segments
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.views = segment_views(self.buffer, segments)
+        self._pinner: Pinner | None = None
+
+    def pin(self, pinner: Pinner) -> bool:
+        if pinner.pin(self.buffer):
+            self._pinner = pinner
+        return self.pinned
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinner is not None
+
+    def unpin(self) -> None:
+        """Return the page-locked memory; the buffer stays valid as ordinary host memory."""
+        if self._pinner is not None:
+            self._pinner.unpin(self.buffer)
+            self._pinner = None

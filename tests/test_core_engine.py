@@ -1,0 +1,268 @@
+"""offload_core on plain torch modules: exact outputs, the ledger, residency, removal, bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_core import apply_group_offload, handle_of, plan_residency
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+class Block(nn.Module):
+    """A DiT-ish block: two streams in, two out, keyword arguments, a buffer and mixed dtypes."""
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, dtype=dtype)
+        self.attn = nn.Linear(width, width, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width, dtype=dtype), nn.GELU(), nn.Linear(2 * width, width, dtype=dtype))
+        self.ctx_proj = nn.Linear(width, width, bias=False, dtype=dtype)
+        self.register_buffer("gate", torch.linspace(0.5, 1.5, width, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + self.attn(self.norm(x)) * scale
+        h = h + self.mlp(h) * self.gate.to(h.dtype)
+        return h, ctx + self.ctx_proj(h.mean(dim=1, keepdim=True))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 6, width: int = 32, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(width, dtype) for _ in range(depth))
+        self.head = nn.Linear(width, 8, dtype=dtype)
+        self.order: list[int] | None = None  # run blocks in another order when set
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        ctx = torch.zeros_like(h[:, :1])
+        for i in self.order or range(len(self.blocks)):
+            h, ctx = self.blocks[i](h, ctx=ctx, scale=0.5)
+        return self.head(h + ctx)
+
+
+def make_pair(device: str, dtype: torch.dtype = torch.float32, depth: int = 6) -> tuple[Net, Net, torch.Tensor]:
+    torch.manual_seed(0)
+    reference = Net(depth=depth, dtype=dtype)
+    offloaded = copy.deepcopy(reference)
+    reference.to(device)
+    for module in (offloaded.embed, offloaded.head):
+        module.to(device)
+    x = torch.randn(2, 5, 8, dtype=dtype, device=device)
+    return reference, offloaded, x
+
+
+def group_bytes(handle) -> list[int]:
+    return [g.nbytes for g in handle.groups]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks_per_group", [1, 2, 4])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("resident_share", [0.0, 0.5, 1.0])
+def test_bit_identical_and_ledger(device, blocks_per_group, prefetch, resident_share):
+    reference, offloaded, x = make_pair(device)
+    handle = apply_group_offload(offloaded, offloaded.blocks, device, blocks_per_group=blocks_per_group, prefetch=prefetch)
+    handle.set_resident_bytes(int(resident_share * sum(group_bytes(handle))))
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(2):  # first forward learns the order, second reaches the steady state
+            assert torch.equal(offloaded(x), expected)
+        handle.reset_stats()
+        forwards = 3
+        for _ in range(forwards):
+            assert torch.equal(offloaded(x), expected)
+    stats = handle.stats()
+    streamed = [g for g in handle.groups if not g.resident]
+    assert stats["bytes_d2h"] == 0 and stats["copies_d2h"] == 0
+    assert stats["bytes_h2d"] == forwards * sum(g.nbytes for g in streamed)
+    assert stats["copies_h2d"] == forwards * len(streamed)  # one packed copy per group, whatever its dtypes
+    assert stats["resident_groups"] == len(handle.groups) - len(streamed)
+    if prefetch and len(streamed) > 1:
+        assert stats["sync_onloads"] == 0, "every streamed group should have been prefetched"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtypes(device, dtype):
+    reference, offloaded, x = make_pair(device, dtype)
+    apply_group_offload(offloaded, offloaded.blocks, device, prefetch=1)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+
+
+class Fp8Block(nn.Module):
+    """Weights stored in fp8 and cast for compute, like ComfyUI's manual-cast ops."""
+
+    def __init__(self, width: int, fmt: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", (torch.randn(width, width) * 0.1).to(fmt))
+        self.bias = nn.Parameter(torch.randn(width, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_mirrors_keep_fp8(fmt):
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(Fp8Block(16, fmt) for _ in range(3)))
+    offloaded = copy.deepcopy(reference)
+    handle = apply_group_offload(offloaded, list(offloaded), "cpu")
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+    assert offloaded[0].weight.dtype == fmt
+    assert handle.groups[0].nbytes < 16 * 16 * 2 + 16 * 2 + 2 * 256, "fp8 weights must not be widened in the mirror"
+
+
+def test_tied_parameters_stay_tied():
+    torch.manual_seed(0)
+    reference = Net(depth=4)
+    for block in reference.blocks:
+        block.ctx_proj.weight = block.attn.weight  # tied inside a block
+    offloaded = copy.deepcopy(reference)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+            assert offloaded.blocks[1].ctx_proj.weight is offloaded.blocks[1].attn.weight
+    unique = {id(p) for b in reference.blocks[:2] for p in b.parameters()}
+    assert len(handle.groups[0].bindings) == len(unique) + 2  # + the two gate buffers
+
+
+def test_parameters_live_in_the_mirror_and_mirrors_are_not_written():
+    _, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    snapshot = [g.mirror.buffer.clone() for g in handle.groups]
+    with torch.no_grad():
+        for _ in range(3):
+            offloaded(x)
+    # Only the group prefetched for the next forward sits on the device between forwards.
+    assert [g.onloaded for g in handle.groups] == [True] + [False] * 5
+    for group, before in zip(handle.groups[1:], snapshot[1:]):
+        start, size = group.mirror.buffer.data_ptr(), group.nbytes
+        for p in (p for b in group.blocks for p in b.parameters()):
+            assert start <= p.data_ptr() < start + size, "offloaded parameters point at the host mirror"
+    assert all(torch.equal(g.mirror.buffer, before) for g, before in zip(handle.groups, snapshot))
+
+
+def test_out_of_order_execution_falls_back_and_stays_correct():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=2)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(offloaded(x), reference(x))
+        handle.reset_stats()
+        for order in ([5, 4, 3, 2, 1, 0], [0, 2, 4], None):
+            reference.order = offloaded.order = order
+            assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["sync_onloads"] > 0
+
+
+def test_remove_restores_plain_module():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    with torch.no_grad():
+        offloaded(x)
+    handle.remove()
+    assert handle_of(offloaded.blocks[0]) is None
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in offloaded.blocks)
+    assert not any(g.mirror.pinned or g.onloaded for g in handle.groups)
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    again = apply_group_offload(offloaded, offloaded.blocks, "cpu")  # may be applied afresh
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    again.remove()
+
+
+def test_applied_inside_inference_mode():
+    reference, offloaded, x = make_pair("cpu")
+    with torch.inference_mode():
+        apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_fill_writes_the_mirrors():
+    reference, offloaded, x = make_pair("cpu")
+    source = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    for p in offloaded.blocks.parameters():
+        p.data.zero_()
+    names = []
+
+    def fill(name, view):
+        names.append(name)
+        view.copy_(source[name])
+
+    apply_group_offload(offloaded, offloaded.blocks, "cpu", fill=fill)
+    assert "blocks.0.mlp.0.weight" in names and "blocks.5.gate" in names
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_onload_patch_applies_on_device_and_leaves_mirrors_pristine():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    target = "blocks.2.attn.weight"
+    handle.set_onload_patch(lambda name, w: w * 2, [target])
+    reference.blocks[2].attn.weight.data.mul_(2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+        assert torch.equal(offloaded.blocks[2].attn.weight * 2, reference.blocks[2].attn.weight)
+        handle.set_onload_patch(None)
+        reference.blocks[2].attn.weight.data.div_(2)
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_progress_is_reported_per_group():
+    _, offloaded, _ = make_pair("cpu")
+    seen = []
+    apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=4, progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"blocks_per_group": 0}, "blocks_per_group"),
+        ({"prefetch": -1}, "prefetch"),
+        ({"resident_bytes": -5}, "resident_bytes"),
+        ({"offload_device": "meta"}, "offload_device"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    _, offloaded, _ = make_pair("cpu")
+    with pytest.raises(ValueError, match=message):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu", **kwargs)
+
+
+def test_bad_blocks():
+    _, offloaded, _ = make_pair("cpu")
+    with pytest.raises(ValueError, match="not a submodule"):
+        apply_group_offload(offloaded, [nn.Linear(2, 2)], "cpu")
+    with pytest.raises(ValueError, match="empty"):
+        apply_group_offload(offloaded, [], "cpu")
+    with pytest.raises(ValueError, match="more than once"):
+        apply_group_offload(offloaded, [offloaded.blocks[0], offloaded.blocks[0]], "cpu")
+    apply_group_offload(offloaded, offloaded.blocks[:3], "cpu")
+    with pytest.raises(ValueError, match="already group-offloaded"):
+        apply_group_offload(offloaded, offloaded.blocks[2:], "cpu")
+
+
+def test_residency_spreads_streamed_groups():
+    assert plan_residency([10] * 10, 70) == [True, False, True, True, True, False, True, True, False, True]
+    assert plan_residency([10] * 4, 0) == [False] * 4
+    assert plan_residency([10] * 4, 10**9) == [True] * 4
+    assert sum(plan_residency([7, 9, 8, 9], 17)) == 2
