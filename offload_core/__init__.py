@@ -1,7 +1,7 @@
 """Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
 from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
 from .mirror import CudaHostRegister, Pinner
-from .residency import plan_residency
+from .residency import device_footprint, plan_residency
 
 __all__ = [
     "CudaHostRegister",
@@ -9,6 +9,7 @@ __all__ = [
     "OffloadConfig",
     "Pinner",
     "apply_group_offload",
+    "device_footprint",
     "handle_of",
     "plan_residency",
 ]

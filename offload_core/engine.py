@@ -27,7 +27,7 @@ from torch import nn
 from .group import FillFn, ModuleGroup
 from .ledger import HookTimer, TransferLedger
 from .mirror import CudaHostRegister, Pinner
-from .residency import plan_residency
+from .residency import device_footprint, plan_residency
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ class GroupOffloadHandle:
 
     def device_bytes_needed(self) -> int:
         """Device memory the offloaded blocks hold while sampling: resident groups plus slabs."""
-        streamed = sum(1 for g in self.groups if not g.resident)
-        slabs = min(self.config.prefetch + 1, streamed)
-        return sum(g.nbytes for g in self.groups if g.resident) + slabs * self._slab_bytes
+        return device_footprint([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.config.prefetch)
 
     def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = ()) -> None:
         """Apply ``patch`` to the named tensors on the device after every onload (mirrors stay pristine)."""

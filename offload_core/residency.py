@@ -19,3 +19,10 @@ def plan_residency(group_bytes: list[int], budget: int) -> list[bool]:
 def _evenly_spaced(n: int, count: int) -> set[int]:
     """``count`` indices out of ``range(n)``, each in the middle of its share of the range."""
     return {int((j + 0.5) * n / count) for j in range(count)} if count else set()
+
+
+def device_footprint(group_bytes: list[int], resident: list[bool], prefetch: int) -> int:
+    """Device bytes held while sampling: the resident groups plus the slabs the streamed ones cycle through."""
+    streamed = [b for b, r in zip(group_bytes, resident) if not r]
+    slabs = min(prefetch + 1, len(streamed))
+    return sum(b for b, r in zip(group_bytes, resident) if r) + slabs * max(streamed, default=0)

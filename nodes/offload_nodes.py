@@ -1,0 +1,130 @@
+"""The three nodes: Group Offload (no copy-back), its loader, and the report."""
+from __future__ import annotations
+
+from typing import Any
+
+import folder_paths
+import nodes as comfy_nodes
+import torch
+
+from .loader import load_offloaded
+from .memory import RESIDENCY_MODES, OffloadSettings
+from .patcher import GroupOffloadPatcher, make_offloaded
+from .telemetry import last_run
+
+OFFLOAD_INPUTS: dict[str, tuple] = {
+    "blocks_per_group": ("INT", {
+        "default": 1, "min": 1, "max": 64,
+        "tooltip": "Consecutive transformer blocks copied to the GPU together. Larger groups mean fewer, "
+                   "bigger copies and more GPU memory per streaming buffer."}),
+    "prefetch": ("INT", {
+        "default": 1, "min": 0, "max": 8,
+        "tooltip": "Groups copied ahead on a side stream while the GPU computes. 0 copies each group "
+                   "only when it is needed (synchronous); every extra group costs one more buffer."}),
+    "residency": (list(RESIDENCY_MODES), {
+        "default": "auto",
+        "tooltip": "auto: keep as many groups on the GPU as fit after ComfyUI's inference reserve, stream "
+                   "the rest. stream_all: keep none resident. budget: keep resident_gb worth resident."}),
+    "resident_gb": ("FLOAT", {
+        "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.5,
+        "tooltip": "GPU memory (GB) for groups that stay resident; used only when residency is budget."}),
+}
+HIDDEN = {"unique_id": "UNIQUE_ID"}
+
+
+def _settings(unique_id: str | None, **options: Any) -> OffloadSettings:
+    return OffloadSettings(node_id=None if unique_id is None else str(unique_id), **options)
+
+
+class GroupOffload:
+    TITLE = "Group Offload (no copy-back)"
+    CATEGORY = "advanced/model"
+    DESCRIPTION = ("Keeps the diffusion model's transformer blocks in pinned host memory and copies each group to "
+                   "the GPU just before it runs, never copying weights back. Connect it before an unchanged KSampler.")
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model, with its blocks offloaded.",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to offload."}), **OFFLOAD_INPUTS},
+                "hidden": HIDDEN}
+
+    def apply(self, model, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
+        settings = _settings(unique_id, blocks_per_group=blocks_per_group, prefetch=prefetch,
+                             residency=residency, resident_gb=resident_gb)
+        return (make_offloaded(model, settings),)
+
+
+class GroupOffloadLoader:
+    TITLE = "Load Diffusion Model (Group Offload)"
+    CATEGORY = "advanced/loaders"
+    DESCRIPTION = ("Load Diffusion Model, with the transformer blocks read from the file straight into pinned host "
+                   "memory: the full model never lands on the GPU and host memory holds it only once.")
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The diffusion model, with its blocks offloaded.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        weight_dtype = comfy_nodes.UNETLoader.INPUT_TYPES()["required"]["weight_dtype"]
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models"),
+                          {"tooltip": "The diffusion model file (models/diffusion_models)."}),
+            "weight_dtype": (weight_dtype[0], {**(weight_dtype[1] if len(weight_dtype) > 1 else {}),
+                             "tooltip": "Weight format in memory; fp8 halves the bytes each copy moves."}),
+            **OFFLOAD_INPUTS,
+        }, "hidden": HIDDEN}
+
+    def load(self, unet_name, weight_dtype, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
+        settings = _settings(unique_id, blocks_per_group=blocks_per_group, prefetch=prefetch,
+                             residency=residency, resident_gb=resident_gb)
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        return (load_offloaded(path, _unet_model_options(weight_dtype), settings),)
+
+
+# UNETLoader's weight_dtype choices and the model options it derives from each.
+_WEIGHT_DTYPE_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn},
+    "fp8_e4m3fn_fast": {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True},
+    "fp8_e5m2": {"dtype": torch.float8_e5m2},
+}
+
+
+def _unet_model_options(weight_dtype: str) -> dict[str, Any]:
+    if weight_dtype not in _WEIGHT_DTYPE_OPTIONS:
+        raise ValueError(f"weight_dtype {weight_dtype!r} is not supported by Load Diffusion Model (Group Offload); "
+                         f"choose one of {', '.join(_WEIGHT_DTYPE_OPTIONS)}")
+    return dict(_WEIGHT_DTYPE_OPTIONS[weight_dtype])
+
+
+class GroupOffloadReport:
+    TITLE = "Group Offload Report"
+    CATEGORY = "advanced/model"
+    DESCRIPTION = "Shows what the offloaded model streamed during the last sampling run, and passes the latent on."
+    RETURN_TYPES = ("LATENT",)
+    OUTPUT_TOOLTIPS = ("The samples, unchanged.",)
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The offloaded model that produced the samples."}),
+            "samples": ("LATENT", {"tooltip": "The KSampler output; connecting it makes the report run after sampling."}),
+        }}
+
+    def report(self, model, samples):
+        if not isinstance(model, GroupOffloadPatcher):
+            raise ValueError("Group Offload Report needs a model from Group Offload (no copy-back) or "
+                             "Load Diffusion Model (Group Offload)")
+        stats = last_run(model.model.diffusion_model)
+        if stats is None:
+            raise ValueError("Group Offload Report: this model has not been sampled yet; connect the samples "
+                             "of the KSampler that used it")
+        return {"ui": {"group_offload": [stats]}, "result": (samples,)}
+
+
+NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (GroupOffload, GroupOffloadLoader, GroupOffloadReport)}
+NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}
