@@ -112,7 +112,7 @@ def _env(comfyui: Path) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("help", [])
     scripts = {
-        "test": ["-m", "pytest", *rest],
+        "test": ["-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"), *rest],
         "demo": [str(ROOT / "bench" / "demo.py"), *rest],
         "bench": [str(ROOT / "bench" / "cpu_benchmark.py"), *rest],
     }

@@ -19,7 +19,7 @@ import comfy.sd
 
 from .blocks import BLOCK_LISTS
 from .memory import OffloadSettings
-from .patcher import GroupOffloadPatcher, build_engine, make_offloaded
+from .patcher import GroupOffloadPatcher, build_engine, make_offloaded, remove_engine
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -97,9 +97,9 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
             st.read_into(file, key, view)
             unread.discard(key)
 
-        handle = build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
+        build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
     if unread:
-        handle.remove()
+        remove_engine(offloaded.model)
         raise ValueError(f"{len(unread)} block tensors of {Path(path).name} belong to no block of "
                          f"{type(offloaded.model.diffusion_model).__name__} (e.g. {min(unread)})")
     return offloaded

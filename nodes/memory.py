@@ -27,10 +27,6 @@ class OffloadSettings:
         if self.resident_gb < 0:
             raise ValueError(f"resident_gb must be 0 or more, got {self.resident_gb}")
 
-    def same_layout(self, other: "OffloadSettings") -> bool:
-        """Whether an engine built for ``other`` can serve these settings by re-planning residency."""
-        return (self.blocks_per_group, self.prefetch) == (other.blocks_per_group, other.prefetch)
-
 
 def resident_budget(settings: OffloadSettings, weight_budget: float, full_load: bool,
                     other_weight_bytes: int, slab_bytes: int) -> int:

@@ -8,7 +8,11 @@ different answers:
 - ``load``        ComfyUI loads everything but the blocks its usual way; the blocks get the engine,
   with as many groups resident as the budget allows;
 - ``partially_unload`` / ``unpatch_model``  give the engine's device memory back first;
-- ``detach``      (unload) also removes the engine, so the pinned host memory is returned too.
+- ``detach``      (unload) also removes the engine, so the pinned host memory is returned too; a later
+  engine adopts the packed host buffers without a copy.
+
+A plain clone of the same model (the node bypassed, say) must find plain modules: a guard on the
+diffusion model takes the engine off when such a patcher runs it.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import comfy.float
 import comfy.lora
 import comfy.model_management as mm
 import comfy.utils
-from comfy.model_patcher import ModelPatcher, get_key_weight
+from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
 
 from ..offload_core import GroupOffloadHandle, apply_group_offload, device_footprint, handle_of, plan_residency
 from .blocks import block_list_names, find_blocks
@@ -114,10 +118,12 @@ class GroupOffloadPatcher(ModelPatcher):
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
+        # ``unpatch_all=False`` comes before every sampling run (load_models_gpu detaches the
+        # requested model itself) and must keep the engine; unloading removes it: the pinned memory
+        # goes back, the weights stay as ordinary host memory, and a later engine adopts that packing.
         model = super().detach(unpatch_all)
-        handle = self.current_engine()
-        if unpatch_all and handle is not None:
-            handle.remove()  # pinned host memory goes back; the weights stay, as ordinary host memory
+        if unpatch_all:
+            remove_engine(self.model)
         return model
 
     def pre_run(self):
@@ -145,7 +151,7 @@ class GroupOffloadPatcher(ModelPatcher):
         settings = self.offload_settings
         handle = self.current_engine()
         if handle is not None and (handle.config.blocks_per_group, handle.config.prefetch) != (settings.blocks_per_group, settings.prefetch):
-            handle.remove()
+            remove_engine(self.model)
             handle = None
         if handle is None:
             handle = build_engine(self.model, self.blocks(), device, settings)
@@ -190,7 +196,34 @@ class GroupOffloadPatcher(ModelPatcher):
         if convert_func is not None:
             temp = convert_func(temp, inplace=True)
         out = comfy.lora.calculate_weight(self.patches[key], temp, key)
-        return comfy.float.stochastic_rounding(out, weight.dtype, seed=comfy.utils.string_to_seed(key))
+        return comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))
+
+
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, torch.utils.hooks.RemovableHandle]" = weakref.WeakKeyDictionary()
+
+
+def _guard_against_plain_patchers(base_model: nn.Module) -> None:
+    """Remove the engine at the first forward of a sampling run that a plain ModelPatcher drives."""
+    model_ref = weakref.ref(base_model)
+
+    def check(module, args):
+        patcher = getattr(model_ref(), "current_patcher", None)
+        if patcher is not None and not isinstance(patcher, GroupOffloadPatcher):
+            log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
+            remove_engine(model_ref())
+
+    _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
+
+
+def remove_engine(base_model: nn.Module) -> None:
+    """Hooks and pinned memory gone; the weights stay, as ordinary host memory."""
+    blocks = find_blocks(base_model.diffusion_model)
+    handle = handle_of(blocks[0]) if blocks else None
+    if handle is not None:
+        handle.remove()
+    guard = _GUARDS.pop(base_model.diffusion_model, None)
+    if guard is not None:
+        guard.remove()
 
 
 def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
@@ -202,7 +235,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         log.info("Group Offload: ComfyUI runs on the CPU, so offloading brings nothing here; "
                  "the whole mechanism still runs, with host-to-host copies")
     bar = comfy.utils.ProgressBar(len(blocks))
-    return apply_group_offload(
+    handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
@@ -211,6 +244,8 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         pinner=ComfyPinner(),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
+    _guard_against_plain_patchers(model)
+    return handle
 
 
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:

@@ -40,30 +40,34 @@ class RunTelemetry:
     handle: GroupOffloadHandle
     node_id: str | None
     cpu_only: bool
-    started: float = field(default_factory=time.perf_counter)
     steps: list[StepSample] = field(default_factory=list)
     _step_key: float | None = None
-    _step_start: tuple[float, int] = (0.0, 0)
-    _last_sent: float = 0.0
+    # (perf_counter, ledger bytes_h2d) where the open step began: the run's start, then the end of
+    # the previous step's last model call.
+    _step_start: tuple[float, int] = field(default_factory=lambda: (time.perf_counter(), 0))
+    _last_call: tuple[float, int] | None = None  # the same, at the end of the latest model call
+    _last_sent: float | None = None
 
     def on_forward(self, timestep: float | None) -> None:
-        now, sent = time.perf_counter(), self.handle.ledger.bytes_h2d
-        if timestep != self._step_key:
-            self._close_step(now, sent)
-            self._step_key = timestep
-        if now - self._last_sent >= 1.0 / MAX_MESSAGES_PER_SECOND:
-            self._last_sent = now
+        """After each model call: a call with a new timestep closes the step of the calls before it."""
+        end = (time.perf_counter(), self.handle.ledger.bytes_h2d)
+        if self._last_call is not None and timestep != self._step_key:
+            self._close_step(self._last_call)
+        self._step_key, self._last_call = timestep, end
+        if self._last_sent is None or end[0] - self._last_sent >= 1.0 / MAX_MESSAGES_PER_SECOND:
+            self._last_sent = end[0]
             send(self.payload(final=False))
 
-    def _close_step(self, now: float, sent: int) -> None:
-        if self._step_key is not None:
-            start, start_bytes = self._step_start
-            self.steps.append(StepSample(sent - start_bytes, now - start))
-        self._step_start = (now, sent)
+    def _close_step(self, end: tuple[float, int]) -> None:
+        start, start_bytes = self._step_start
+        self.steps.append(StepSample(end[1] - start_bytes, end[0] - start))
+        self._step_start = end
 
     def finish(self) -> dict[str, Any]:
-        self._close_step(time.perf_counter(), self.handle.ledger.bytes_h2d)
-        self._step_key = None
+        if self._last_call is not None:
+            # The last step ends with the last model call; a copy issued after it still counts.
+            self._close_step((self._last_call[0], self.handle.ledger.bytes_h2d))
+            self._last_call = None
         payload = self.payload(final=True)
         send(payload)
         return payload

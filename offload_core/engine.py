@@ -139,27 +139,35 @@ class GroupOffloadHandle:
 
     def release_device_memory(self) -> None:
         """Offload every group, resident ones too, and free the slabs; mirrors stay as they are."""
-        if self._cuda:
-            torch.cuda.current_stream(self.config.onload_device).wait_stream(self._copy_stream)
+        self._finish_copies()
         for group in self.groups:
             if group.onloaded:
                 group.offload_()
             group.drop_device_views()
-        self._active.clear()
-        self._free_slabs.clear()
-        self._released.clear()
-        self._slabs_made = 0
+        self._forget_slabs()
 
     def remove(self) -> None:
         """Hooks gone, no pinned memory held; the model computes exactly as before, from host memory."""
-        self.release_device_memory()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._finish_copies()
         for group in self.groups:
             group.release()
             for block in group.blocks:
                 _MANAGED.pop(block, None)
+        self._forget_slabs()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _finish_copies(self) -> None:
+        """Device buffers may be dropped only once the copies into them are done."""
+        if self._cuda:
+            torch.cuda.current_stream(self.config.onload_device).wait_stream(self._copy_stream)
+
+    def _forget_slabs(self) -> None:
+        self._active.clear()
+        self._free_slabs.clear()
+        self._released.clear()
+        self._slabs_made = 0
 
     # --- hooks ------------------------------------------------------------------------------
 

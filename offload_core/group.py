@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mirror import HostMirror, Pinner, pack_layout, segment_views
+from .mirror import HostMirror, Pinner, pack_layout, packed_buffer, segment_views
 
 #: Writes a tensor's weights into its host-mirror view (the loader reads a file straight in).
 FillFn = Callable[[str, torch.Tensor], None]
@@ -26,6 +26,10 @@ class _Binding:
         self.qualname = qualname
         self.param = param
         self.buffer_slots: list[tuple[dict, str]] = []
+
+    def points_at(self, tensor: torch.Tensor) -> bool:
+        current = self.param if self.param is not None else self.buffer_slots[0][0][self.buffer_slots[0][1]]
+        return current.data_ptr() == tensor.data_ptr()
 
     def point_at(self, tensor: torch.Tensor) -> None:
         if self.param is not None:
@@ -64,11 +68,12 @@ class ModuleGroup:
         self.blocks = blocks
         self.bindings, tensors = _collect(blocks, qualnames)
         segments, nbytes = pack_layout(tensors)
-        self.mirror = HostMirror(segments, nbytes, torch.device("cpu"))
+        adopted = None if fill is not None else packed_buffer(tensors, segments, nbytes)
+        self.mirror = HostMirror(segments, nbytes, adopted)
         for binding, tensor, view in zip(self.bindings, tensors, self.mirror.views):
             if fill is not None:
                 fill(binding.qualname, view)
-            else:
+            elif adopted is None:
                 view.copy_(tensor)
         del tensors  # the old storage goes as soon as the bindings point elsewhere
         self.bind(self.mirror.views)
@@ -121,7 +126,14 @@ class ModuleGroup:
         self._views.clear()
 
     def release(self) -> None:
-        """Drop device views and pinned memory; the modules keep computing from ordinary host memory."""
-        self.offload_()
+        """Drop device views and pinned memory; the modules keep computing from ordinary host memory.
+
+        Tensors that someone else has re-pointed meanwhile (moved to another device, say) stay as they are.
+        """
+        if self.slab is not None:
+            for binding, view, mirror_view in zip(self.bindings, self.device_views(self.slab), self.mirror.views):
+                if binding.points_at(view):
+                    binding.point_at(mirror_view)
+        self.slab, self.ready = None, None
         self.drop_device_views()
         self.mirror.unpin()

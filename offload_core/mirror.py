@@ -70,10 +70,10 @@ class CudaHostRegister:
 class HostMirror:
     """The host copy of one group: a packed buffer, its typed views and its pinned state."""
 
-    def __init__(self, segments: list[Segment], nbytes: int, device: torch.device) -> None:
+    def __init__(self, segments: list[Segment], nbytes: int, buffer: torch.Tensor | None = None) -> None:
         self.segments = segments
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer
         self.views = segment_views(self.buffer, segments)
         self._pinner: Pinner | None = None
 
@@ -91,3 +91,17 @@ class HostMirror:
         if self._pinner is not None:
             self._pinner.unpin(self.buffer)
             self._pinner = None
+
+
+def packed_buffer(tensors: list[torch.Tensor], segments: list[Segment], nbytes: int) -> torch.Tensor | None:
+    """The host buffer ``tensors`` already are packed views of (left by an earlier mirror), if any."""
+    if not tensors:
+        return None
+    storage = tensors[0].untyped_storage()
+    if storage.device.type != "cpu" or storage.nbytes() != nbytes:
+        return None
+    for tensor, segment in zip(tensors, segments):
+        if (tensor.untyped_storage().data_ptr() != storage.data_ptr() or not tensor.is_contiguous()
+                or tensor.storage_offset() * tensor.element_size() != segment.offset):
+            return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -266,3 +266,18 @@ def test_residency_spreads_streamed_groups():
     assert plan_residency([10] * 4, 0) == [False] * 4
     assert plan_residency([10] * 4, 10**9) == [True] * 4
     assert sum(plan_residency([7, 9, 8, 9], 17)) == 2
+
+
+def test_reapplying_adopts_the_packed_mirrors_without_copying():
+    reference, offloaded, x = make_pair("cpu")
+    first = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2)
+    buffers = [g.mirror.buffer.data_ptr() for g in first.groups]
+    first.remove()
+    second = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2)
+    assert [g.mirror.buffer.data_ptr() for g in second.groups] == buffers
+    second.remove()
+    third = apply_group_offload(  # another grouping cannot adopt: it packs afresh
+        offloaded, offloaded.blocks, "cpu", blocks_per_group=3)
+    assert not set(g.mirror.buffer.data_ptr() for g in third.groups) & set(buffers)
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
