@@ -119,11 +119,15 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def detach(self, unpatch_all=True):
         # ``unpatch_all=False`` comes before every sampling run (load_models_gpu detaches the
-        # requested model itself) and must keep the engine; unloading removes it: the pinned memory
-        # goes back, the weights stay as ordinary host memory, and a later engine adopts that packing.
+        # requested model itself, or a clone about to take over): park the engine, so that a plain
+        # clone finds pristine host weights and this one takes its device copies up again for free.
+        # Unloading removes it: the pinned memory goes back, the weights stay as ordinary host
+        # memory, and a later engine adopts that packing.
         model = super().detach(unpatch_all)
         if unpatch_all:
             remove_engine(self.model)
+        elif (handle := self.current_engine()) is not None:
+            handle.park()
         return model
 
     def pre_run(self):

@@ -137,6 +137,17 @@ class GroupOffloadHandle:
             if group.resident and not group.onloaded:
                 self._onload(group, prefetched=False)
 
+    def park(self) -> None:
+        """Point every module at its host mirror without giving up the device copies.
+
+        Whoever drives the model next sees pristine host weights; if that is this engine again, each
+        group takes its device copy up again at its next use, without a copy.
+        """
+        for group in self.groups:
+            if group.onloaded:
+                group.park()
+        self._active.clear()
+
     def release_device_memory(self) -> None:
         """Offload every group, resident ones too, and free the slabs; mirrors stay as they are."""
         self._finish_copies()
@@ -187,6 +198,8 @@ class GroupOffloadHandle:
                 self._learn_order(group)
             if not group.onloaded:
                 self._onload(group, prefetched=False)
+            elif group.parked:
+                group.unpark()
             if group.ready is not None:
                 self._wait_for(group)
             self._active.add(group.index)

@@ -80,6 +80,7 @@ class ModuleGroup:
         self.resident = False
         self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
         self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
+        self.parked = False  # on the device, but the modules point at the mirror until the next use
         self._views: dict[int, list[torch.Tensor]] = {}  # slab data_ptr -> views into it
 
     @property
@@ -118,8 +119,17 @@ class ModuleGroup:
     def offload_(self) -> torch.Tensor | None:
         """Point the modules back at the mirror (no copy) and hand the slab back."""
         self.bind(self.mirror.views)
-        slab, self.slab, self.ready = self.slab, None, None
+        slab, self.slab, self.ready, self.parked = self.slab, None, None, False
         return slab
+
+    def park(self) -> None:
+        """Point the modules at the mirror but keep the device copy, for ``unpark`` to take up again."""
+        self.bind(self.mirror.views)
+        self.parked = True
+
+    def unpark(self) -> None:
+        self.bind(self.device_views(self.slab))
+        self.parked = False
 
     def drop_device_views(self) -> None:
         """Forget the cached views, so that freed slabs are not kept alive by them."""
@@ -134,6 +144,6 @@ class ModuleGroup:
             for binding, view, mirror_view in zip(self.bindings, self.device_views(self.slab), self.mirror.views):
                 if binding.points_at(view):
                     binding.point_at(mirror_view)
-        self.slab, self.ready = None, None
+        self.slab, self.ready, self.parked = None, None, False
         self.drop_device_views()
         self.mirror.unpin()

@@ -281,3 +281,18 @@ def test_reapplying_adopts_the_packed_mirrors_without_copying():
     assert not set(g.mirror.buffer.data_ptr() for g in third.groups) & set(buffers)
     with torch.no_grad():
         assert torch.equal(offloaded(x), reference(x))
+
+
+def test_park_shows_pristine_host_weights_and_resumes_without_copies():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    handle.set_resident_bytes(handle.groups[0].nbytes)
+    with torch.no_grad():
+        offloaded(x), offloaded(x)
+        handle.park()
+        for group in handle.groups:
+            start = group.mirror.buffer.data_ptr()
+            assert all(start <= p.data_ptr() < start + group.nbytes for b in group.blocks for p in b.parameters())
+        copies = handle.stats()["copies_h2d"]
+        assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["copies_h2d"] - copies == len(handle.groups) - 1  # the resident group: no copy
