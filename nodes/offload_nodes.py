@@ -32,7 +32,8 @@ OFFLOAD_INPUTS: dict[str, tuple] = {
 HIDDEN = {"unique_id": "UNIQUE_ID"}
 
 
-def _settings(unique_id: str | None, **options: Any) -> OffloadSettings:
+def _settings(unique_id: str | None, options: dict[str, Any]) -> OffloadSettings:
+    """The node's OFFLOAD_INPUTS, and the node whose readout shows the telemetry."""
     return OffloadSettings(node_id=None if unique_id is None else str(unique_id), **options)
 
 
@@ -50,10 +51,8 @@ class GroupOffload:
         return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to offload."}), **OFFLOAD_INPUTS},
                 "hidden": HIDDEN}
 
-    def apply(self, model, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
-        settings = _settings(unique_id, blocks_per_group=blocks_per_group, prefetch=prefetch,
-                             residency=residency, resident_gb=resident_gb)
-        return (make_offloaded(model, settings),)
+    def apply(self, model, unique_id=None, **options):
+        return (make_offloaded(model, _settings(unique_id, options)),)
 
 
 class GroupOffloadLoader:
@@ -76,11 +75,9 @@ class GroupOffloadLoader:
             **OFFLOAD_INPUTS,
         }, "hidden": HIDDEN}
 
-    def load(self, unet_name, weight_dtype, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
-        settings = _settings(unique_id, blocks_per_group=blocks_per_group, prefetch=prefetch,
-                             residency=residency, resident_gb=resident_gb)
+    def load(self, unet_name, weight_dtype, unique_id=None, **options):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        return (load_offloaded(path, _unet_model_options(weight_dtype), settings),)
+        return (load_offloaded(path, _unet_model_options(weight_dtype), _settings(unique_id, options)),)
 
 
 # UNETLoader's weight_dtype choices and the model options it derives from each.

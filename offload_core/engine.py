@@ -93,7 +93,7 @@ class GroupOffloadHandle:
     # --- public -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:
-        """Transfer ledger and layout; on CUDA this synchronizes to read the copy-wait timers."""
+        """Transfer ledger and layout (never waits for the GPU)."""
         resident = [g for g in self.groups if g.resident]
         return {
             **self.ledger.as_dict(),

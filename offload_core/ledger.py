@@ -35,11 +35,17 @@ class TransferLedger:
         self._wait_events.append((start, end))
 
     def wait_ms(self) -> float:
-        """GPU time the compute stream spent waiting for copies (synchronizes pending events)."""
+        """GPU time the compute stream spent waiting for copies, as far as the GPU has got.
+
+        Only events the GPU has already passed are read, so asking never stalls the host.
+        """
+        pending = []
         for start, end in self._wait_events:
-            end.synchronize()
-            self._wait_ms += start.elapsed_time(end)
-        self._wait_events.clear()
+            if end.query():
+                self._wait_ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._wait_events = pending
         return self._wait_ms
 
     def as_dict(self) -> dict[str, float | int]:
