@@ -35,7 +35,7 @@ from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
 from ..offload_core import GroupOffloadHandle, apply_group_offload, device_footprint, handle_of, plan_residency
 from .blocks import block_list_names, find_blocks
 from .memory import OffloadSettings, resident_budget
-from .telemetry import finish_run, start_run
+from .telemetry import finish_run, post_cfg_step, start_run
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +263,8 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
         clone = model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
+    if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
+        clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
     # device before this one loads, instead of taking that state as already loaded.
     clone.patches_uuid = uuid.uuid4()

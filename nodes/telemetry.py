@@ -1,13 +1,12 @@
 """Live offload figures for the UI, and the statistics of the last sampling run.
 
-Between ``start_run`` and ``finish_run`` (the patcher's ``pre_run`` and ``cleanup``) a forward hook on
-the diffusion model reads the engine's ledger once per model call — never per block — groups the
-figures by sampling step (a step ends when the timestep changes) and sends at most
-``MAX_MESSAGES_PER_SECOND`` websocket messages.
+Between ``start_run`` and ``finish_run`` (the patcher's ``pre_run`` and ``cleanup``) the engine's
+ledger is read once per sampling step — never per block, and without reading anything back from the
+GPU: ``step_done`` runs as a ComfyUI post-CFG function, once per denoising evaluation — and at most
+``MAX_MESSAGES_PER_SECOND`` websocket messages are sent.
 """
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -17,8 +16,6 @@ import torch
 from torch import nn
 
 from ..offload_core import GroupOffloadHandle
-
-log = logging.getLogger(__name__)
 
 EVENT = "group_offload.telemetry"
 MAX_MESSAGES_PER_SECOND = 4
@@ -41,33 +38,21 @@ class RunTelemetry:
     node_id: str | None
     cpu_only: bool
     steps: list[StepSample] = field(default_factory=list)
-    _step_key: float | None = None
-    # (perf_counter, ledger bytes_h2d) where the open step began: the run's start, then the end of
-    # the previous step's last model call.
+    # (perf_counter, ledger bytes_h2d) where the open step began: the run's start, then the previous step's end.
     _step_start: tuple[float, int] = field(default_factory=lambda: (time.perf_counter(), 0))
-    _last_call: tuple[float, int] | None = None  # the same, at the end of the latest model call
     _last_sent: float | None = None
 
-    def on_forward(self, timestep: float | None) -> None:
-        """After each model call: a call with a new timestep closes the step of the calls before it."""
-        end = (time.perf_counter(), self.handle.ledger.bytes_h2d)
-        if self._last_call is not None and timestep != self._step_key:
-            self._close_step(self._last_call)
-        self._step_key, self._last_call = timestep, end
-        if self._last_sent is None or end[0] - self._last_sent >= 1.0 / MAX_MESSAGES_PER_SECOND:
-            self._last_sent = end[0]
+    def on_step(self) -> None:
+        """A denoising step has ended: close it, and send the figures unless one was sent just now."""
+        now, sent = time.perf_counter(), self.handle.ledger.bytes_h2d
+        start, start_bytes = self._step_start
+        self.steps.append(StepSample(sent - start_bytes, now - start))
+        self._step_start = (now, sent)
+        if self._last_sent is None or now - self._last_sent >= 1.0 / MAX_MESSAGES_PER_SECOND:
+            self._last_sent = now
             send(self.payload(final=False))
 
-    def _close_step(self, end: tuple[float, int]) -> None:
-        start, start_bytes = self._step_start
-        self.steps.append(StepSample(end[1] - start_bytes, end[0] - start))
-        self._step_start = end
-
     def finish(self) -> dict[str, Any]:
-        if self._last_call is not None:
-            # The last step ends with the last model call; a copy issued after it still counts.
-            self._close_step((self._last_call[0], self.handle.ledger.bytes_h2d))
-            self._last_call = None
         payload = self.payload(final=True)
         send(payload)
         return payload
@@ -115,29 +100,31 @@ def send(payload: dict[str, Any]) -> None:
         instance.send_sync(EVENT, payload, instance.client_id)
 
 
-_RUNS: "weakref.WeakKeyDictionary[nn.Module, tuple[RunTelemetry, Any]]" = weakref.WeakKeyDictionary()
+_RUNS: "weakref.WeakKeyDictionary[nn.Module, RunTelemetry]" = weakref.WeakKeyDictionary()
 _LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
-
-
-def _first_timestep(args: tuple, kwargs: dict) -> float | None:
-    t = kwargs.get("timesteps", kwargs.get("timestep", args[1] if len(args) > 1 else None))
-    return float(t.flatten()[0]) if isinstance(t, torch.Tensor) and t.numel() else None
 
 
 def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool) -> None:
     finish_run(diffusion_model)
     handle.reset_stats()
-    run = RunTelemetry(handle, node_id, cpu_only)
-    hook = diffusion_model.register_forward_hook(
-        lambda module, args, kwargs, output: run.on_forward(_first_timestep(args, kwargs)), with_kwargs=True)
-    _RUNS[diffusion_model] = (run, hook)
+    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only)
+
+
+def step_done(diffusion_model: nn.Module) -> None:
+    run = _RUNS.get(diffusion_model)
+    if run is not None:
+        run.on_step()
+
+
+def post_cfg_step(args: dict[str, Any]) -> torch.Tensor:
+    """A ComfyUI ``sampler_post_cfg_function``: marks the end of a step, returns the result unchanged."""
+    step_done(args["model"].diffusion_model)
+    return args["denoised"]
 
 
 def finish_run(diffusion_model: nn.Module) -> None:
-    entry = _RUNS.pop(diffusion_model, None)
-    if entry is not None:
-        run, hook = entry
-        hook.remove()
+    run = _RUNS.pop(diffusion_model, None)
+    if run is not None:
         _LAST_RUN[diffusion_model] = run.finish()
 
 

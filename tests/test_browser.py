@@ -1,0 +1,478 @@
+"""The pack's front end (web/) in the real ComfyUI frontend, in headless Chromium driven by Playwright.
+
+A real ComfyUI server (``comfy_server``) serves its own frontend package with this pack installed.
+The page builds a UI-format workflow through LiteGraph, loads it with ``app.loadGraphData``, queues
+it with ``app.queuePrompt`` and waits for ``execution_success``; the tests then read what the
+extensions keep on the nodes (``node.groupOffloadTelemetry``, ``node.groupOffloadReport``), the
+report table in the DOM, and every console error the page logged.
+
+Chromium is the system one (Debian's ``chromium`` package; ``comfy_env.find_chromium``): nothing
+is downloaded. Without it the tests are skipped, saying so.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import ConsoleMessage, Page, sync_playwright
+
+from comfy_env import ARTIFACTS_DIR, ComfyServer, find_chromium
+
+pytestmark = pytest.mark.browser
+
+# The flags the machine notes give for a closed network: without the background-networking ones
+# Chromium keeps trying to reach Google's hosts.
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+PACK_URL = "/extensions/comfyui-group-offload/"
+ARTIFACTS = ARTIFACTS_DIR / "browser"
+SCREENSHOT = ARTIFACTS / "group_offload.png"
+STEPS = 4
+PAGE_TIMEOUT_MS = 120_000
+RUN_TIMEOUT_MS = 240_000
+
+# Settings of a user who has seen the first-run screens, so that no dialog covers the canvas and the
+# frontend does not ask api.comfy.org for release notes.
+USER_SETTINGS = {
+    "Comfy.TutorialCompleted": True,
+    "Comfy.InstalledVersion": importlib.metadata.version("comfyui_frontend_package"),
+    "Comfy.Notification.ShowVersionUpdates": False,
+    "Comfy.VueNodes.Enabled": False,  # the LiteGraph canvas, where onDrawForeground draws
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Console errors
+# --------------------------------------------------------------------------------------------
+
+# Loopback paths the frontend asks for that a correct install does not have:
+LOOPBACK_404_IGNORED = {
+    # index.html links a legacy stylesheet that no ComfyUI install ships.
+    "/user.css",
+    # Chromium asks every site for its icon; ComfyUI's frontend sets one from script and serves none here.
+    "/favicon.ico",
+}
+
+
+@dataclass
+class ConsoleLog:
+    """Console errors, uncaught page errors and failed requests, with the environmental ones set apart."""
+
+    errors: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    failed_requests: list[str] = field(default_factory=list)
+
+    def on_console(self, message: ConsoleMessage) -> None:
+        url = message.location.get("url", "")
+        text = f"{message.text} [{url}]"
+        if message.type == "error":
+            (self.ignored if _is_environmental(message) else self.errors).append(text)
+        elif message.type == "warning" and PACK_URL in url:
+            self.errors.append(f"warning from this pack: {text}")
+
+    def on_page_error(self, error) -> None:
+        self.errors.append(f"uncaught: {error}")
+
+    def on_request_failed(self, request) -> None:
+        self.failed_requests.append(f"{request.method} {request.url}: {request.failure}")
+
+    def take_errors(self) -> list[str]:
+        errors, self.errors = self.errors, []
+        return errors
+
+
+def _is_loopback(url: str) -> bool:
+    return urllib.parse.urlsplit(url).hostname in {"127.0.0.1", "localhost", "::1"}
+
+
+def _is_environmental(message: ConsoleMessage) -> bool:
+    """The console errors these tests ignore; each is named and explained here.
+
+    1. "Failed to load resource" for a host other than loopback: the machine has no network; the
+       frontend and Chromium may still try (the settings above stop the release-notes request).
+    2. "Failed to load resource" 404 for a path of LOOPBACK_404_IGNORED.
+    3. ComfyUI frontend 1.32.x's own start-up error: useRenderModeSetting sets
+       'LiteGraph.Canvas.MinFontSizeForLOD' before the core settings are registered, and the
+       setting store's onChange reads the id of the missing definition ("Cannot read properties of
+       undefined (reading 'id')" at onChange < Proxy.set < load in GraphView-*.js). It happens on every
+       page load, also with --disable-all-custom-nodes.
+    """
+    url = message.location.get("url", "")
+    text = message.text
+    if text.startswith("Failed to load resource"):
+        if not _is_loopback(url):
+            return True
+        return "404" in text and urllib.parse.urlsplit(url).path in LOOPBACK_404_IGNORED
+    return (text.startswith("TypeError: Cannot read properties of undefined (reading 'id')")
+            and re.search(r"at onChange .*\n\s+at Proxy\.set .*\n(?:.*\n)*?\s+at load \(.*/GraphView-[^/]*\.js", text) is not None)
+
+
+# --------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------
+
+def _prepare_user(server: ComfyServer) -> None:
+    """The user data of a user who has used ComfyUI before: settings, and the files and folders the
+    frontend reads at start (a fresh user directory answers 404 for each, which the console logs)."""
+    status, body = server.post("/settings", USER_SETTINGS)
+    assert status == 200, body
+    for name, content in (("user.css", b""), ("comfy.templates.json", b"[]")):
+        request = urllib.request.Request(f"{server.url}/api/userdata/{name}?overwrite=true", data=content, method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    for folder in ("workflows", "subgraphs"):
+        (server.base_dir / "user" / "default" / folder).mkdir(parents=True, exist_ok=True)
+
+
+@dataclass
+class BrowserPage:
+    page: Page
+    console: ConsoleLog
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = find_chromium()
+    if path is None:
+        reason = "Chromium is not installed: `apt-get install -y chromium` (Debian) puts it at /usr/bin/chromium"
+        print(f"SKIPPED browser tests: {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser_page(chromium: str, comfy_server: ComfyServer) -> Iterator[BrowserPage]:
+    """The ComfyUI frontend, loaded with this pack's extensions registered."""
+    _prepare_user(comfy_server)
+    console = ConsoleLog()
+    with tempfile.TemporaryDirectory(prefix="group-offload-chromium-") as profile, sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            profile, executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1600, "height": 1000}, device_scale_factor=1)
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("console", console.on_console)
+            page.on("pageerror", console.on_page_error)
+            page.on("requestfailed", console.on_request_failed)
+            # The "Introducing Nodes 2.0" banner is dismissed in local storage.
+            page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
+            page.goto(comfy_server.url, timeout=PAGE_TIMEOUT_MS)
+            page.wait_for_function(
+                """() => {
+                    const app = window.comfyAPI?.app?.app;
+                    const names = app?.extensions?.map((e) => e.name) ?? [];
+                    return app?.canvas && window.LiteGraph?.registered_node_types?.GroupOffloadReport
+                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report");
+                }""",
+                timeout=PAGE_TIMEOUT_MS)
+            yield BrowserPage(page, console)
+        finally:
+            context.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Workflows, built in the page through LiteGraph and loaded back as UI-format JSON
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Workflow:
+    """Nodes as ``key: (type, [x, y], {widget: value})`` and links as ``(from, output, to, input)``."""
+
+    nodes: dict[str, tuple[str, list[int], dict]]
+    links: list[tuple[str, str, str, str]]
+
+
+def _sampling_nodes(model_key: str, steps: int, x: int) -> dict[str, tuple[str, list[int], dict]]:
+    conditioning = {"control_after_generate": "fixed", "tokens": 8, "joint_dim": 64}
+    return {
+        "positive": ("GroupOffloadTestConditioning", [x, 0], {"seed": 1, **conditioning}),
+        "negative": ("GroupOffloadTestConditioning", [x, 200], {"seed": 2, **conditioning}),
+        "latent": ("EmptySD3LatentImage", [x, 400], {"width": 64, "height": 64, "batch_size": 1}),
+        "sampler": ("KSampler", [x + 360, 0], {
+            "seed": 7, "control_after_generate": "fixed", "steps": steps, "cfg": 4.0, "sampler_name": "euler",
+            "scheduler": "simple", "denoise": 1.0}),
+    }
+
+
+def _sampling_links(model_key: str) -> list[tuple[str, str, str, str]]:
+    return [(model_key, "MODEL", "sampler", "model"), ("positive", "CONDITIONING", "sampler", "positive"),
+            ("negative", "CONDITIONING", "sampler", "negative"), ("latent", "LATENT", "sampler", "latent_image"),
+            (model_key, "MODEL", "report", "model"), ("sampler", "LATENT", "report", "samples")]
+
+
+OFFLOAD_WIDGETS = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0}
+
+
+def offload_workflow(unet: str, vae: str, steps: int) -> Workflow:
+    """UNETLoader -> GroupOffload -> KSampler -> VAEDecode -> SaveImage, and the report (model from
+    GroupOffload, samples from KSampler), laid out so that one screenshot shows it all."""
+    return Workflow(
+        nodes={
+            "unet": ("UNETLoader", [20, 0], {"unet_name": unet, "weight_dtype": "default"}),
+            "offload": ("GroupOffload", [20, 170], OFFLOAD_WIDGETS),
+            **_sampling_nodes("offload", steps, x=420),
+            "vae": ("VAELoader", [420, 560], {"vae_name": vae}),
+            "decode": ("VAEDecode", [780, 320], {}),
+            "save": ("SaveImage", [780, 420], {"filename_prefix": "browser_group_offload"}),
+            "report": ("GroupOffloadReport", [1130, 60], {}),
+        },
+        links=[("unet", "MODEL", "offload", "model"), *_sampling_links("offload"),
+               ("sampler", "LATENT", "decode", "samples"), ("vae", "VAE", "decode", "vae"),
+               ("decode", "IMAGE", "save", "images")],
+    )
+
+
+def loader_workflow(unet: str, steps: int) -> Workflow:
+    """Load Diffusion Model (Group Offload) -> KSampler -> the report."""
+    return Workflow(
+        nodes={
+            "offload": ("GroupOffloadLoader", [20, 0], {"unet_name": unet, "weight_dtype": "default", **OFFLOAD_WIDGETS}),
+            **_sampling_nodes("offload", steps, x=420),
+            "report": ("GroupOffloadReport", [780, 340], {}),
+        },
+        links=_sampling_links("offload"),
+    )
+
+
+BUILD_WORKFLOW_JS = """
+({ nodes, links }) => {
+    const graph = window.comfyAPI.app.app.graph;
+    graph.clear();
+    const byKey = {};
+    for (const [key, [type, pos, values]] of Object.entries(nodes)) {
+        const node = window.LiteGraph.createNode(type);
+        if (node == null) throw new Error(`no node type ${type}`);
+        node.pos = pos;
+        graph.add(node);
+        for (const [name, value] of Object.entries(values)) {
+            const widget = node.widgets?.find((w) => w.name === name);
+            if (widget == null) throw new Error(`${type} has no widget ${name}`);
+            widget.value = value;
+        }
+        byKey[key] = node;
+    }
+    for (const [from, output, to, input] of links) {
+        if (byKey[from].connect(output, byKey[to], input) == null) throw new Error(`cannot link ${from}.${output} -> ${to}.${input}`);
+    }
+    const ids = Object.fromEntries(Object.entries(byKey).map(([key, node]) => [key, String(node.id)]));
+    // As a saved workflow file holds it (JSON drops the undefined fields the schema rejects as null).
+    return { ids, workflow: JSON.parse(JSON.stringify(graph.serialize())) };
+}
+"""
+
+LOAD_AND_QUEUE_JS = """
+async (workflow) => {
+    const { app } = window.comfyAPI.app;
+    const { api } = window.comfyAPI.api;
+    await app.loadGraphData(workflow);
+    app.canvas.ds.scale = 1;
+    app.canvas.ds.offset = [70, 120];
+    app.canvas.setDirty(true, true);
+    const { output } = await app.graphToPrompt();
+    const seen = { telemetry: [], executed: [], done: null };
+    const listeners = {
+        "group_offload.telemetry": ({ detail }) => seen.telemetry.push(detail),
+        executed: ({ detail }) => seen.executed.push(detail.node),
+        execution_success: ({ detail }) => { seen.done = { ok: true, ...detail }; },
+        execution_error: ({ detail }) => { seen.done = { ok: false, ...detail }; },
+    };
+    for (const [event, listener] of Object.entries(listeners)) api.addEventListener(event, listener);
+    seen.stop = () => { for (const [event, listener] of Object.entries(listeners)) api.removeEventListener(event, listener); };
+    window.groupOffloadTestRun = seen;
+    await app.queuePrompt(0, 1);
+    return output;
+}
+"""
+
+READ_STATE_JS = """
+(ids) => {
+    const graph = window.comfyAPI.app.app.graph;
+    const offload = graph.getNodeById(ids.offload);
+    const report = graph.getNodeById(ids.report);
+    const rows = {};
+    for (const row of document.querySelectorAll(".group-offload-report tr[data-field]")) {
+        rows[row.dataset.field] = [row.querySelector("th").textContent, row.querySelector("td").textContent];
+    }
+    const element = document.querySelector(".group-offload-report");
+    const box = element?.getBoundingClientRect();
+    const run = window.groupOffloadTestRun;
+    run.stop();
+    return {
+        telemetry: offload.groupOffloadTelemetry,
+        report: report.groupOffloadReport,
+        rows,
+        reportText: element?.textContent ?? null,
+        reportVisible: box != null && box.width > 0 && box.height > 0,
+        run: { telemetry: run.telemetry, executed: run.executed, done: run.done },
+    };
+}
+"""
+
+
+def _save_artifact(name: str, data: object) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / name).write_text(json.dumps(data, indent=2))
+
+
+def _run_in_page(page: Page, workflow: Workflow, name: str) -> tuple[dict, dict, dict]:
+    """Build, load and queue ``workflow``; returns the node ids, the API prompt and the state after the run."""
+    built = page.evaluate(BUILD_WORKFLOW_JS, asdict(workflow))
+    ids = built["ids"]
+    _save_artifact(f"{name}_workflow.json", built["workflow"])
+    prompt = page.evaluate(LOAD_AND_QUEUE_JS, built["workflow"])
+    page.wait_for_function("() => window.groupOffloadTestRun?.done != null", timeout=RUN_TIMEOUT_MS)
+    page.wait_for_timeout(300)  # let the canvas draw the final figures
+    state = page.evaluate(READ_STATE_JS, ids)
+    _save_artifact(f"{name}_state.json", state)
+    assert state["run"]["done"]["ok"], state["run"]["done"]
+    return ids, prompt, state
+
+
+def _check_figures(ids: dict, state: dict, steps: int) -> None:
+    # Live readout: the node keeps the last message, the final one.
+    telemetry = state["telemetry"]
+    assert telemetry is not None, "the offload node got no telemetry"
+    assert telemetry["node_id"] == ids["offload"]
+    assert telemetry["final"] is True
+    assert telemetry["bytes_d2h"] == 0
+    assert telemetry["streamed_groups"] == 2 and telemetry["resident_groups"] == 0
+    assert telemetry["bytes_h2d"] > 0
+    assert telemetry["steps"] == steps and len(telemetry["step_gbps"]) == steps
+    messages = [m for m in state["run"]["telemetry"] if m["node_id"] == ids["offload"]]
+    assert [m["final"] for m in messages].count(True) == 1 and messages[-1]["final"]
+    assert messages[0]["final"] is False  # a live figure came before the final one
+
+    # Report: the same figures, as a table in the DOM.
+    assert state["report"] == telemetry
+    assert ids["report"] in state["run"]["executed"]
+    assert state["reportVisible"]
+    assert state["rows"]["bytes_d2h"][1] == "0 B"
+    assert state["rows"]["steps"][1] == str(steps)
+    assert state["rows"]["groups"][1] == "2 (0 resident, 2 streamed)"
+    assert re.fullmatch(r"\d+(\.\d+)? (KB|MB|GB) in \d+ copies", state["rows"]["bytes_h2d"][1])
+    if telemetry["cpu_only"]:
+        assert "offloading brings nothing" in state["reportText"]
+
+
+def _finish(page: Page, console: ConsoleLog, screenshot: Path, started: float) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(screenshot))
+    print(f"\nbrowser run: {time.monotonic() - started:.1f} s from building the graph to the final figures; "
+          f"screenshot {screenshot}")
+    if console.ignored:
+        print("ignored console errors (see _is_environmental):\n  " + "\n  ".join(e.splitlines()[0] for e in console.ignored))
+        console.ignored.clear()
+    assert console.take_errors() == [], f"failed requests: {console.failed_requests}"
+
+
+def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage, comfy_server: ComfyServer):
+    started = time.monotonic()
+    workflow = offload_workflow(comfy_server.models.unet_name, comfy_server.models.vae_name, STEPS)
+    ids, prompt, state = _run_in_page(browser_page.page, workflow, "group_offload")
+
+    # The loaded UI workflow is the prompt the test bed's API-format workflows describe.
+    assert prompt[ids["offload"]]["class_type"] == "GroupOffload"
+    assert prompt[ids["offload"]]["inputs"] == {**OFFLOAD_WIDGETS, "model": [ids["unet"], 0]}
+    assert prompt[ids["sampler"]]["inputs"]["model"] == [ids["offload"], 0]
+    assert prompt[ids["sampler"]]["inputs"]["steps"] == STEPS
+    assert prompt[ids["report"]]["inputs"] == {"model": [ids["offload"], 0], "samples": [ids["sampler"], 0]}
+    assert prompt[ids["positive"]]["inputs"] == {"seed": 1, "tokens": 8, "joint_dim": 64}
+
+    _check_figures(ids, state, STEPS)
+    _finish(browser_page.page, browser_page.console, SCREENSHOT, started)
+
+
+def test_loader_node_shows_the_readout_too(browser_page: BrowserPage, comfy_server: ComfyServer):
+    started = time.monotonic()
+    steps = 2
+    ids, prompt, state = _run_in_page(browser_page.page, loader_workflow(comfy_server.models.unet_name, steps),
+                                      "group_offload_loader")
+    assert prompt[ids["offload"]]["class_type"] == "GroupOffloadLoader"
+    _check_figures(ids, state, steps)
+    _finish(browser_page.page, browser_page.console, ARTIFACTS / "group_offload_loader.png", started)
+
+
+def test_messages_by_node_id_and_node_removal(browser_page: BrowserPage, comfy_server: ComfyServer):
+    """Messages go to the node of their node_id, and only to an offload node; a removed node lets go."""
+    page, console = browser_page.page, browser_page.console
+    built = page.evaluate(BUILD_WORKFLOW_JS, asdict(offload_workflow(comfy_server.models.unet_name,
+                                                                     comfy_server.models.vae_name, STEPS)))
+    ids = built["ids"]
+    page.evaluate("""async (workflow) => {
+        const { app } = window.comfyAPI.app;
+        await app.loadGraphData(workflow);
+        app.canvas.ds.scale = 1;
+        app.canvas.ds.offset = [70, 120];
+    }""", built["workflow"])
+    live = {  # mid-run, and the copy-back this pack exists to avoid, for the drawing to show in red
+        "node_id": ids["offload"], "final": False, "cpu_only": False, "groups": 40, "resident_groups": 12,
+        "streamed_groups": 28, "resident_bytes": 11.4e9, "streamed_bytes_per_pass": 26.6e9, "bytes_h2d": 186e9,
+        "bytes_d2h": 1.5e9, "copies_h2d": 196, "onloads": 280, "sync_onloads": 3, "compute_wait_ms": 41.5,
+        "hook_us_per_group": 38.0, "steps": 7, "bytes_per_step": 26.6e9, "h2d_gbps": 21.7,
+        "step_gbps": [18.2, 21.9, 22.4, 22.1, 21.8, 22.6, 22.3],
+    }
+    result = page.evaluate("""
+        async ({ live, ids }) => {
+            const { app } = window.comfyAPI.app;
+            const { api } = window.comfyAPI.api;
+            const offload = app.graph.getNodeById(ids.offload);
+            const sampler = app.graph.getNodeById(ids.sampler);
+            api.dispatchCustomEvent("group_offload.telemetry", live);
+            api.dispatchCustomEvent("group_offload.telemetry", { ...live, node_id: ids.sampler });
+            await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+            return {
+                offloadGot: offload.groupOffloadTelemetry?.steps ?? null,
+                samplerUntouched: sampler.groupOffloadTelemetry === undefined,
+                box: [offload.pos[0], offload.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT, ...offload.size],
+            };
+        }
+    """, {"live": live, "ids": ids})
+    assert result["offloadGot"] == 7 and result["samplerUntouched"]
+    x, y, width, height = result["box"]
+    # Graph to screen at scale 1: + offset; the title bar is above pos.
+    clip = {"x": x + 70 - 4, "y": y + 120 - 4, "width": width + 8, "height": height + 8 + 30}
+    page.screenshot(path=str(ARTIFACTS / "group_offload_live.png"), clip=clip)
+
+    result = page.evaluate("""
+        async ({ live, ids }) => {
+            const { app } = window.comfyAPI.app;
+            const { api } = window.comfyAPI.api;
+            const common = await import("/extensions/comfyui-group-offload/group_offload_common.js");
+            const offload = app.graph.getNodeById(ids.offload);
+            app.graph.remove(offload);
+            const cleared = offload.groupOffloadTelemetry === null;
+            for (const node_id of [ids.offload, "9999", "9999:1", null]) {
+                api.dispatchCustomEvent("group_offload.telemetry", { ...live, node_id });
+            }
+            // Subgraph-qualified ids walk into subgraph nodes.
+            const inner = { id: 5 };
+            const subgraph = { getNodeById: (i) => (String(i) === "5" ? inner : null) };
+            const root = { getNodeById: (i) => (String(i) === "12" ? { subgraph } : null) };
+            return {
+                cleared,
+                stillRemoved: offload.groupOffloadTelemetry === null,
+                nested: common.findNodeByExecutionId(root, "12:5") === inner,
+                missingParent: common.findNodeByExecutionId(root, "13:5"),
+                formats: [0, 512, 512e6, 1.234e9, 12.3e9].map(common.formatBytes)
+                    .concat([common.formatRate(12.34), common.formatRate(0.5), common.formatMs(4.5),
+                             common.formatUs(40), common.formatUs(6094)]),
+            };
+        }
+    """, {"live": live, "ids": ids})
+    assert result["cleared"] and result["stillRemoved"]
+    assert result["nested"] is True and result["missingParent"] is None
+    assert result["formats"] == ["0 B", "512 B", "512 MB", "1.23 GB", "12.3 GB", "12.3 GB/s", "500 MB/s", "4.50 ms",
+                                 "40.0 µs", "6.09 ms"]
+    page.wait_for_timeout(200)
+    assert console.take_errors() == [], f"failed requests: {console.failed_requests}"
