@@ -18,8 +18,9 @@ BLOCK_LISTS: dict[str, tuple[str, ...]] = {
 def block_list_names(diffusion_model: nn.Module) -> tuple[str, ...]:
     """The block attributes of ``diffusion_model``; subclasses (e.g. VACE Wan) inherit their base's entry."""
     for cls in type(diffusion_model).__mro__:
-        if cls.__name__ in BLOCK_LISTS:
-            return BLOCK_LISTS[cls.__name__]
+        names = BLOCK_LISTS.get(cls.__name__, ())
+        if names and all(hasattr(diffusion_model, name) for name in names):  # AuraFlow's MMDiT is another one
+            return names
     known = ", ".join(sorted(BLOCK_LISTS))
     raise ValueError(f"Group Offload does not know where {type(diffusion_model).__name__} keeps its blocks "
                      f"(supported: {known})")

@@ -16,6 +16,7 @@ import safetensors
 import torch
 
 import comfy.sd
+import comfy.utils
 
 from .blocks import BLOCK_LISTS
 from .memory import OffloadSettings
@@ -68,9 +69,21 @@ class SafetensorsFile:
             out.copy_(target)
 
 
+def _is_quantized(st: SafetensorsFile) -> bool:
+    """Quantized layers (ComfyUI's ``comfy_quant`` format, or old scaled fp8 that newer ComfyUI converts
+    to it on load) become tensor subclasses, whose keys and bytes the mirrors cannot take as they are."""
+    if "_quantization_metadata" in (st.metadata or {}) or any(k.endswith(".comfy_quant") for k in st.entries):
+        return True
+    converts_scaled_fp8 = hasattr(comfy.utils, "convert_old_quants")
+    return converts_scaled_fp8 and any(k.endswith("scaled_fp8") for k in st.entries)
+
+
 def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) -> GroupOffloadPatcher:
     """ComfyUI's ``load_diffusion_model``, with the blocks going straight into pinned host mirrors."""
     st = SafetensorsFile(path)
+    if _is_quantized(st):
+        raise ValueError(f"{Path(path).name} holds quantized weights, which Group Offload cannot stream yet; "
+                         f"load it with Load Diffusion Model")
     block_keys = {key: m.group("prefix") for key in st.entries if (m := _BLOCK_KEY.match(key))}
     if not block_keys:
         raise ValueError(f"{Path(path).name} has no transformer blocks this loader knows; "

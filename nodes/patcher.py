@@ -32,7 +32,8 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
 
-from ..offload_core import GroupOffloadHandle, apply_group_offload, device_footprint, handle_of, plan_residency
+from ..offload_core import (GroupOffloadHandle, apply_group_offload, check_offloadable, device_footprint, handle_of,
+                            plan_residency)
 from .blocks import block_list_names, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
@@ -126,8 +127,8 @@ class GroupOffloadPatcher(ModelPatcher):
         model = super().detach(unpatch_all)
         if unpatch_all:
             remove_engine(self.model)
-        elif (handle := self.current_engine()) is not None:
-            handle.park()
+        elif (handle := self.current_engine()) is not None and getattr(self.model, "current_patcher", None) in (None, self):
+            handle.park()  # (a stale clone being garbage-collected detaches too: it must not park a running engine)
         return model
 
     def pre_run(self):
@@ -255,10 +256,16 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
-    find_blocks(model.model.diffusion_model)  # fail now, naming the model class, if its blocks are unknown
+    check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
     if getattr(model, "is_dynamic", lambda: False)():
-        # Dynamic VRAM (comfy-aimdo) pages weights in on its own; the engine needs a plain patcher.
-        clone = model.clone(disable_dynamic=True)
+        # Dynamic VRAM (comfy-aimdo) pages weights in on its own; the engine needs a plain patcher,
+        # which ComfyUI makes by loading the model again through the loader that made this one.
+        try:
+            clone = model.clone(disable_dynamic=True)
+        except RuntimeError as error:
+            raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
+                             "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
+                             "--disable-dynamic-vram") from error
     else:
         clone = model.clone()
     clone.__class__ = GroupOffloadPatcher

@@ -38,6 +38,21 @@ class _Binding:
             slots[name] = tensor
 
 
+def _require_plain(tensor: torch.Tensor, qualname: str) -> None:
+    """Only plain tensors can live in a packed byte buffer; a tensor subclass (e.g. a quantized
+    weight that carries its own scales) would lose what it holds besides its data."""
+    if type(tensor.data) is not torch.Tensor:
+        raise ValueError(f"{qualname} is a {type(tensor.data).__name__}; group offloading packs plain tensors "
+                         f"only, so quantized weights cannot be offloaded yet")
+
+
+def check_offloadable(blocks: list[nn.Module]) -> None:
+    """Raise ``ValueError`` if a block holds a tensor that cannot be packed into a host mirror."""
+    for block in blocks:
+        for name, tensor in (*block.named_parameters(), *block.named_buffers()):
+            _require_plain(tensor, name)
+
+
 def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_Binding], list[torch.Tensor]]:
     """The group's tensors, each once: a tied parameter (one Parameter object) stays one binding."""
     by_id: dict[int, _Binding] = {}
@@ -51,6 +66,7 @@ def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_
                         continue
                     binding = by_id.get(id(tensor))
                     if binding is None:
+                        _require_plain(tensor, prefix + name)
                         binding = _Binding(prefix + name, tensor if kind == "param" else None)
                         by_id[id(tensor)] = binding
                         bindings.append(binding)

@@ -296,3 +296,17 @@ def test_park_shows_pristine_host_weights_and_resumes_without_copies():
         copies = handle.stats()["copies_h2d"]
         assert torch.equal(offloaded(x), reference(x))
     assert handle.stats()["copies_h2d"] - copies == len(handle.groups) - 1  # the resident group: no copy
+
+
+class WrappedTensor(torch.Tensor):
+    """A tensor subclass standing in for a quantized weight that carries more than its bytes."""
+
+
+def test_tensor_subclasses_are_refused_by_name():
+    _, offloaded, _ = make_pair("cpu")
+    weight = offloaded.blocks[1].attn.weight
+    offloaded.blocks[1].attn.weight = nn.Parameter(weight.detach().as_subclass(WrappedTensor), requires_grad=False)
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn\.weight is a WrappedTensor"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    assert handle_of(offloaded.blocks[0]) is None, "nothing half-applied"
+    assert all(not b._forward_pre_hooks for b in offloaded.blocks)

@@ -221,3 +221,27 @@ def test_fixed_plans_ask_comfyui_only_for_what_they_use(models):
     handle = engine(model)
     assert model.model_size() == plain_size - raw_block_bytes(model) + 2 * handle.groups[0].nbytes  # two slabs
     assert model.loaded_size() == model.model_size()
+
+
+def test_a_same_named_class_with_other_block_lists_is_not_mistaken():
+    blocks = pack_module("nodes.blocks")
+
+    class MMDiT(torch.nn.Module):  # AuraFlow's MMDiT keeps double_layers / single_layers
+        def __init__(self):
+            super().__init__()
+            self.double_layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    with pytest.raises(ValueError, match="MMDiT keeps its blocks"):
+        blocks.block_list_names(MMDiT())
+
+
+def test_quantized_blocks_are_refused_in_the_node(models):
+    plain = load_plain()
+    linear = plain.model.diffusion_model.transformer_blocks[0].img_mlp.net[2]
+    linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(QuantizedStandIn), requires_grad=False)
+    with pytest.raises(ValueError, match="QuantizedStandIn.*quantized weights cannot be offloaded"):
+        offload(plain)
+
+
+class QuantizedStandIn(torch.Tensor):
+    """What newest ComfyUI's QuantizedTensor is to the engine: a tensor subclass."""
