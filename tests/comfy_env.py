@@ -57,6 +57,7 @@ FULL_WIDTH_QWEN = {
     "out_channels": 16,
     "axes_dims_rope": (16, 56, 56),
 }
+_FULL_WIDTH_QWEN_WEIGHTS = {k: v for k, v in FULL_WIDTH_QWEN.items() if k != "axes_dims_rope"}
 _QWEN_PATCH_SIZE = 2  # process_img() hard-codes 2x2 patches; in_channels = 16 latent channels * 2 * 2
 _QWEN_IN_CHANNELS = 64
 
@@ -86,8 +87,11 @@ def _prepare_comfy_import(cpu: bool | None = None) -> None:
     root = comfyui_path()
     if not (root / "comfy" / "model_management.py").is_file():
         raise FileNotFoundError(f"No ComfyUI checkout at {root} (set COMFYUI_PATH or run `python3 dev.py setup`)")
-    # First on sys.path: this pack has a `nodes/` package that must not shadow ComfyUI's nodes.py.
-    if not sys.path or sys.path[0] != str(root):
+    # First on sys.path (before '' or the repository): this pack has a `nodes/` package that must
+    # not shadow ComfyUI's nodes.py. Once nodes.py is imported the order no longer matters.
+    if "nodes" not in sys.modules and sys.path[:1] != [str(root)]:
+        if str(root) in sys.path:
+            sys.path.remove(str(root))
         sys.path.insert(0, str(root))
     import comfy.cli_args
 
@@ -139,6 +143,9 @@ def boot_comfyui_in_process(cpu: bool | None = None) -> ModuleType:
         return _booted_nodes
     _prepare_comfy_import(cpu)
     import comfy.model_management  # noqa: F401  (reads the CLI flags set above)
+    # As in main.py: ComfyUI's `utils` package must be imported before nodes.py puts comfy/ first on
+    # sys.path, or `utils` resolves to comfy/utils.py and comfy_extras/nodes_images.py fails to import.
+    import utils.extra_config  # noqa: F401
     import nodes
 
     _check_comfy_nodes_module(nodes)
@@ -172,7 +179,7 @@ def qwen_rope_axes(attention_head_dim: int) -> tuple[int, int, int]:
 
 
 def _qwen_widths(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, Any]:
-    """The Qwen-Image constructor arguments that the weights determine."""
+    """The Qwen-Image constructor arguments that the weights determine (RoPE axes excepted)."""
     inner_dim = state_dict[f"{prefix}img_in.weight"].shape[0]
     head_dim = state_dict[f"{prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
     return {
@@ -180,7 +187,6 @@ def _qwen_widths(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
         "num_attention_heads": inner_dim // head_dim,
         "joint_attention_dim": state_dict[f"{prefix}txt_in.weight"].shape[1],
         "out_channels": state_dict[f"{prefix}proj_out.weight"].shape[0] // _QWEN_PATCH_SIZE ** 2,
-        "axes_dims_rope": qwen_rope_axes(head_dim),
     }
 
 
@@ -206,9 +212,9 @@ def widen_qwen_detection() -> None:
         if config is None or config.get("image_model") != "qwen_image":
             return config
         widths = _qwen_widths(state_dict, key_prefix)
-        if widths != FULL_WIDTH_QWEN:
-            config = {**config, **widths}
-        return config
+        if widths == _FULL_WIDTH_QWEN_WEIGHTS:
+            return config
+        return {**config, **widths, "axes_dims_rope": qwen_rope_axes(widths["attention_head_dim"])}
 
     detect_unet_config.group_offload_original = original
     model_detection.detect_unet_config = detect_unet_config
@@ -268,7 +274,7 @@ def make_tiny_qwen_image(path: Path, num_layers: int = 2, seed: int = 0, dtype: 
                          joint_attention_dim: int = 64) -> Path:
     """Write a narrow Qwen-Image diffusion model (ComfyUI key names, no prefix) to ``path``.
 
-    Loading it needs :func:`widen_qwen_detection`. The defaults make a 1.4 MB file (bf16, 2 layers).
+    Loading it needs :func:`widen_qwen_detection`. The defaults make a 0.7 MB file (bf16, 2 layers).
     """
     dims = {"num_attention_heads": num_attention_heads, "attention_head_dim": attention_head_dim,
             "joint_attention_dim": joint_attention_dim, "axes_dims_rope": qwen_rope_axes(attention_head_dim)}
@@ -446,6 +452,8 @@ def qwen_joint_dim(model: Any) -> int:
 
 @dataclass(frozen=True)
 class Txt2ImgResult:
+    """KSampler's latent (``samples["samples"]``) and VAEDecode's IMAGE ``[B, H, W, C]`` (or ``None``)."""
+
     latent: torch.Tensor
     image: torch.Tensor | None
 
@@ -598,14 +606,14 @@ class ComfyServer:
         if default_cpu() if self.cpu is None else self.cpu:
             command.append("--cpu")
         if "--database-url" in flags:
-            command += ["--database-url", "sqlite:///:memory:"]
+            # Not sqlite:///:memory:, whose connection SQLAlchemy then uses across threads: ComfyUI
+            # logs "SQLite objects created in a thread can only be used in that same thread".
+            command += ["--database-url", f"sqlite:///{self.base_dir / 'comfyui.db'}"]
         command += list(self.extra_args)
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("PYTHONPATH", None)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, cwd=main_py.parent, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env)
+                                            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         logger.info("started ComfyUI pid %d: %s", self.process.pid, " ".join(command))
         self._wait_until_ready()
 
@@ -709,8 +717,12 @@ class ComfyServer:
 
 
 def find_chromium() -> str | None:
-    """A Chromium/Chrome executable for browser tests, or ``None``."""
+    """A Chromium/Chrome executable for browser tests (on PATH or installed by Playwright), or ``None``."""
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if found := shutil.which(name):
             return found
+    playwright_dir = Path(os.environ.get("PLAYWRIGHT_BROWSERS_PATH") or Path.home() / ".cache" / "ms-playwright")
+    for candidate in sorted(playwright_dir.glob("chromium-*/chrome-linux*/chrome"), reverse=True):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
     return None

@@ -1,0 +1,42 @@
+"""TEST ONLY node pack for the Group Offload tests; never installed for users.
+
+Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
+server started with it can load the tiny fixture models, and registers a node that stands in for the
+7B Qwen text encoder.
+"""
+import sys
+from pathlib import Path
+
+_TESTS_DIR = str(Path(__file__).resolve().parent.parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.append(_TESTS_DIR)
+
+from comfy_env import make_test_conditioning, widen_qwen_detection  # noqa: E402
+
+widen_qwen_detection()
+
+
+class GroupOffloadTestConditioning:
+    """A seeded random CONDITIONING shaped like Qwen-Image's text encoder output."""
+
+    TITLE = "Test Conditioning (Group Offload tests)"
+    CATEGORY = "testing/group_offload"
+    DESCRIPTION = "Seeded random Qwen-Image-shaped conditioning, standing in for the 7B text encoder in tests."
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Seed of the random embedding."}),
+            "tokens": ("INT", {"default": 8, "min": 1, "max": 4096, "tooltip": "Number of text tokens."}),
+            "joint_dim": ("INT", {"default": 64, "min": 1, "max": 8192,
+                                  "tooltip": "Text width: 64 for the tiny test model, 3584 for real Qwen-Image."}),
+        }}
+
+    def make(self, seed: int, tokens: int, joint_dim: int):
+        return (make_test_conditioning(seed, tokens, joint_dim),)
+
+
+NODE_CLASS_MAPPINGS = {"GroupOffloadTestConditioning": GroupOffloadTestConditioning}
+NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}

@@ -1,0 +1,118 @@
+"""Fixtures on real ComfyUI: an in-process ComfyUI, fixture models and a live server (see comfy_env)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_env import (
+    FULL_WIDTH_QWEN_NAME,
+    REPO_ROOT,
+    ComfyServer,
+    ModelDir,
+    boot_comfyui_in_process,
+    find_chromium,
+    full_width_qwen_image_file,
+    populate_models,
+    tiny_qwen_image_file,
+    tiny_wan_vae_file,
+    use_models_in_process,
+)
+
+
+class _RepositoryIsNotATestPackage:
+    """Collect the repository root as a plain directory, not as a package.
+
+    ``python3 dev.py test`` roots pytest at tests/ (``-c tests/pytest.ini``); this covers a bare
+    ``pytest`` in the repository root. The root ``__init__.py`` is the pack's entry point for
+    ComfyUI: as a pytest Package it would be imported under the checkout folder's name before
+    ComfyUI is on sys.path. The hook must be global: for the root, pytest asks only plugins and
+    conftests above it.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+        if path.resolve() == REPO_ROOT:
+            return pytest.Dir.from_parent(parent, path=path)
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_RepositoryIsNotATestPackage(), "group-offload-repository-root")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    no_chromium = pytest.mark.skip(reason="needs Chromium (apt-get install chromium)")
+    cuda = torch.cuda.is_available()
+    chromium = any("browser" in item.keywords for item in items) and find_chromium() is not None
+    for item in items:
+        if "cuda" in item.keywords and not cuda:
+            item.add_marker(no_cuda)
+        if "browser" in item.keywords and not chromium:
+            item.add_marker(no_chromium)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Attach the server's log to the report of a failed test that used the server."""
+    report = yield
+    server = getattr(item, "funcargs", {}).get("comfy_server")
+    if report.failed and isinstance(server, ComfyServer):
+        report.sections.append(("ComfyUI server log (tail)", server.log_tail(8000)))
+    return report
+
+
+@pytest.fixture(scope="session")
+def comfy():
+    """ComfyUI's ``nodes`` module, booted in this process (``--cpu`` without CUDA)."""
+    return boot_comfyui_in_process()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_path() -> Path:
+    return tiny_qwen_image_file()
+
+
+@pytest.fixture(scope="session")
+def tiny_vae_path() -> Path:
+    return tiny_wan_vae_file()
+
+
+@pytest.fixture(scope="session")
+def comfy_models(comfy, tmp_path_factory: pytest.TempPathFactory) -> ModelDir:
+    """Fixture models the in-process loader nodes find by ``unet_name`` / ``vae_name``."""
+    models = populate_models(tmp_path_factory.mktemp("comfy_models"))
+    use_models_in_process(models)
+    return models
+
+
+@pytest.fixture(scope="session")
+def _full_width_qwen_file() -> Path:
+    return full_width_qwen_image_file()
+
+
+@pytest.fixture
+def full_width_qwen_path(request: pytest.FixtureRequest, _full_width_qwen_file: Path) -> Path:
+    """The 761 MB real-width single-block Qwen-Image; only for tests marked ``slow``."""
+    if request.node.get_closest_marker("slow") is None:
+        pytest.fail("full_width_qwen_path is only for tests marked @pytest.mark.slow")
+    return _full_width_qwen_file
+
+
+@pytest.fixture
+def full_width_qwen_name(comfy_models: ModelDir, full_width_qwen_path: Path) -> str:
+    """``unet_name`` of the full-width model for the in-process UNETLoader (slow tests only)."""
+    target = comfy_models.models_dir / "diffusion_models" / FULL_WIDTH_QWEN_NAME
+    if not target.exists():
+        target.symlink_to(full_width_qwen_path)
+    return FULL_WIDTH_QWEN_NAME
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """A real ComfyUI server (main.py) with this pack, the test nodes and the tiny models."""
+    with ComfyServer(tmp_path_factory.mktemp("comfy_server")) as server:
+        yield server
