@@ -1,10 +1,10 @@
 """Group offloading without copy-back: hooks, the prefetch schedule and the public entry point.
 
-Per group, per forward:
+Per group, per forward (each block's ``forward`` is wrapped):
 
-- ``_enter`` (pre-hook of the group's first block): make sure the group is on the device, make the
+- ``_enter`` (before the group's first block runs): make sure the group is on the device, make the
   compute stream wait for its copy, then start copying the next streamed groups on the side stream;
-- ``_exit`` (post-hook of its last block): point the modules back at the host mirror — no
+- ``_exit`` (after its last block ran): point the modules back at the host mirror — no
   device-to-host copy, the host already holds the weights — and hand the slab back.
 
 Stream choreography on CUDA (the only cross-stream ordering there is):
@@ -17,6 +17,7 @@ Stream choreography on CUDA (the only cross-stream ordering there is):
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from .group import FillFn, ModuleGroup
-from .ledger import HookTimer, TransferLedger
+from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
 from .residency import device_footprint, plan_residency
 
@@ -85,7 +86,7 @@ class GroupOffloadHandle:
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
         self._patch: PatchFn | None = None
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
-        self._hooks = [h for g in self.groups for h in self._register_hooks(g)]
+        self._wrapped = [w for g in self.groups for w in self._wrap_forwards(g)]
         for block in blocks:
             _MANAGED[block] = self
         self.set_resident_bytes(config.resident_bytes)
@@ -165,9 +166,11 @@ class GroupOffloadHandle:
             for block in group.blocks:
                 _MANAGED.pop(block, None)
         self._forget_slabs()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        for block, wrapper in self._wrapped:
+            if block.__dict__.get("forward") is wrapper:
+                del block.forward  # back to the class's forward
+            # else someone wrapped it after us: ours stays in their chain, as a plain pass-through
+        self._wrapped.clear()
 
     def _finish_copies(self) -> None:
         """Device buffers may be dropped only once the copies into them are done."""
@@ -182,37 +185,58 @@ class GroupOffloadHandle:
 
     # --- hooks ------------------------------------------------------------------------------
 
-    def _register_hooks(self, group: ModuleGroup) -> list[torch.utils.hooks.RemovableHandle]:
-        enter = lambda module, args: self._enter(group)  # noqa: E731
-        leave = lambda module, args, output: self._exit(group)  # noqa: E731
-        hooks = [block.register_forward_pre_hook(enter) for block in group.blocks]
-        hooks.append(group.blocks[-1].register_forward_hook(leave))
-        return hooks
+    def _wrap_forwards(self, group: ModuleGroup) -> list[tuple[nn.Module, Callable]]:
+        """Wrap each block's ``forward`` (as diffusers' hook registry does) rather than register
+        PyTorch module hooks: their dispatch costs more per call than re-pointing a whole group, and
+        a wrapper can put the group back when a forward raises."""
+        wrapped = []
+        for block in group.blocks:
+            wrapper = self._offloaded_forward(group, block.forward, last=block is group.blocks[-1])
+            block.forward = wrapper
+            wrapped.append((block, wrapper))
+        return wrapped
+
+    def _offloaded_forward(self, group: ModuleGroup, forward: Callable, last: bool) -> Callable:
+        def offloaded_forward(*args, **kwargs):
+            if not self._wrapped:  # removed while someone else's wrapper still calls this one
+                return forward(*args, **kwargs)
+            self._enter(group)
+            try:
+                output = forward(*args, **kwargs)
+            except BaseException:
+                self._exit(group)
+                raise
+            if last:
+                self._exit(group)
+            return output
+
+        return offloaded_forward
 
     def _enter(self, group: ModuleGroup) -> None:
         if group.index in self._active:
             return  # a later block of a group that is already running
-        with HookTimer(self.ledger):
-            self.ledger.hook_calls += 1
-            if self._lookahead is None:
-                self._learn_order(group)
-            if not group.onloaded:
-                self._onload(group, prefetched=False)
-            elif group.parked:
-                group.unpark()
-            if group.ready is not None:
-                self._wait_for(group)
-            self._active.add(group.index)
-            if self._lookahead is not None:
-                for upcoming in self._lookahead.get(group.index, ()):
-                    if not upcoming.onloaded and not self._prefetch(upcoming):
-                        break
+        started = time.perf_counter()
+        if self._lookahead is None:
+            self._learn_order(group)
+        if not group.onloaded:
+            self._onload(group, prefetched=False)
+        elif group.parked:
+            group.unpark()
+        if group.ready is not None:
+            self._wait_for(group)
+        self._active.add(group.index)
+        if self._lookahead is not None:
+            for upcoming in self._lookahead.get(group.index, ()):
+                if not upcoming.onloaded and not self._prefetch(upcoming):
+                    break
+        self.ledger.record_hook(time.perf_counter() - started, entered=True)
 
     def _exit(self, group: ModuleGroup) -> None:
-        with HookTimer(self.ledger):
-            self._active.discard(group.index)
-            if not group.resident and group.onloaded:
-                self._offload(group)
+        started = time.perf_counter()
+        self._active.discard(group.index)
+        if not group.resident and group.onloaded:
+            self._offload(group)
+        self.ledger.record_hook(time.perf_counter() - started, entered=False)
 
     # --- schedule ---------------------------------------------------------------------------
 

@@ -73,7 +73,9 @@ def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_
                         tensors.append(tensor)
                     if kind == "buffer":
                         binding.buffer_slots.append((table, name))
-    return bindings, tensors
+    # Parameters first: ``ModuleGroup.bind`` zips them with the leading views in one tight loop.
+    order = sorted(range(len(bindings)), key=lambda i: bindings[i].param is None)
+    return [bindings[i] for i in order], [tensors[i] for i in order]
 
 
 class ModuleGroup:
@@ -86,18 +88,20 @@ class ModuleGroup:
         segments, nbytes = pack_layout(tensors)
         adopted = None if fill is not None else packed_buffer(tensors, segments, nbytes)
         self.mirror = HostMirror(segments, nbytes, adopted)
-        for binding, tensor, view in zip(self.bindings, tensors, self.mirror.views):
+        self._params = [b.param for b in self.bindings if b.param is not None]
+        self._buffer_slots = [(slots, name, i) for i, b in enumerate(self.bindings) for slots, name in b.buffer_slots]
+        for i, (binding, view) in enumerate(zip(self.bindings, self.mirror.views)):
             if fill is not None:
                 fill(binding.qualname, view)
             elif adopted is None:
-                view.copy_(tensor)
-        del tensors  # the old storage goes as soon as the bindings point elsewhere
-        self.bind(self.mirror.views)
+                view.copy_(tensors[i])
+            binding.point_at(view)
+            tensors[i] = None  # the old storage goes now: host memory holds at most one tensor twice
         self.resident = False
         self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
         self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
         self.parked = False  # on the device, but the modules point at the mirror until the next use
-        self._views: dict[int, list[torch.Tensor]] = {}  # slab data_ptr -> views into it
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
 
     @property
     def nbytes(self) -> int:
@@ -114,20 +118,27 @@ class ModuleGroup:
         return self.mirror.pin(pinner)
 
     def bind(self, views: list[torch.Tensor]) -> None:
-        for binding, view in zip(self.bindings, views):
-            binding.point_at(view)
+        """Point every parameter and buffer at ``views``; the hot path, so two plain loops."""
+        for param, view in zip(self._params, views):
+            param.data = view
+        for slots, name, i in self._buffer_slots:
+            slots[name] = views[i]
 
-    def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``slab`` laid out like the mirror, cached: building them costs more than a copy."""
+    def _device_layout(self, slab: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The part of ``slab`` the group fills, and its per-tensor views; cached, since building
+        views costs more than the whole re-pointing."""
         key = slab.data_ptr()
         if key not in self._views:
-            self._views[key] = segment_views(slab, self.mirror.segments)
+            self._views[key] = (slab[: self.nbytes], segment_views(slab, self.mirror.segments))
         return self._views[key]
+
+    def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        return self._device_layout(slab)[1]
 
     def onload_(self, slab: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
         """Copy the mirror into ``slab`` (one copy) and point the modules at it."""
-        slab[: self.nbytes].copy_(self.mirror.buffer, non_blocking=non_blocking)
-        views = self.device_views(slab)
+        target, views = self._device_layout(slab)
+        target.copy_(self.mirror.buffer, non_blocking=non_blocking)
         self.bind(views)
         self.slab = slab
         return views

@@ -1,7 +1,6 @@
 """The transfer ledger: what crossed the bus, how often, and what it cost the host and the GPU."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -26,6 +25,11 @@ class TransferLedger:
     hook_calls: int = 0  # group entries (each streamed or resident group run counts once)
     _wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
     _wait_ms: float = 0.0
+
+    def record_hook(self, seconds: float, entered: bool) -> None:
+        """Host time of one hook body; ``entered`` counts a group run (its enter, not its exit)."""
+        self.hook_seconds += seconds
+        self.hook_calls += entered
 
     def record_copy(self, nbytes: int) -> None:
         self.bytes_h2d += nbytes
@@ -53,18 +57,3 @@ class TransferLedger:
         stats["compute_wait_ms"] = self.wait_ms()
         stats["hook_us_per_group"] = 1e6 * self.hook_seconds / self.hook_calls if self.hook_calls else 0.0
         return stats
-
-
-class HookTimer:
-    """Adds the host time of a hook body to the ledger; cheap enough to run on every call."""
-
-    __slots__ = ("ledger", "start")
-
-    def __init__(self, ledger: TransferLedger) -> None:
-        self.ledger = ledger
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.ledger.hook_seconds += time.perf_counter() - self.start

@@ -174,7 +174,7 @@ def test_remove_restores_plain_module():
         offloaded(x)
     handle.remove()
     assert handle_of(offloaded.blocks[0]) is None
-    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in offloaded.blocks)
+    assert all("forward" not in b.__dict__ for b in offloaded.blocks), "the class's forward again"
     assert not any(g.mirror.pinned or g.onloaded for g in handle.groups)
     with torch.no_grad():
         assert torch.equal(offloaded(x), reference(x))
@@ -309,4 +309,26 @@ def test_tensor_subclasses_are_refused_by_name():
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.weight is a WrappedTensor"):
         apply_group_offload(offloaded, offloaded.blocks, "cpu")
     assert handle_of(offloaded.blocks[0]) is None, "nothing half-applied"
-    assert all(not b._forward_pre_hooks for b in offloaded.blocks)
+    assert all("forward" not in b.__dict__ for b in offloaded.blocks)
+
+
+def test_a_failing_forward_leaves_the_group_offloaded():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    with torch.no_grad():
+        offloaded(x), offloaded(x)
+        with pytest.raises(RuntimeError):
+            offloaded.blocks[2](torch.randn(2, 5, 3), ctx=torch.zeros(2, 1, 32))  # wrong width
+        assert not handle.groups[2].onloaded
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_removal_under_a_later_wrapper_keeps_it_working():
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    ours = offloaded.blocks[0].forward
+    offloaded.blocks[0].forward = lambda *a, **k: ours(*a, **k)  # another pack wraps after us
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["hook_calls"] == 0
