@@ -77,7 +77,7 @@ def default_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def _prepare_comfy_import(cpu: bool | None = None) -> None:
+def prepare_comfy_import(cpu: bool | None = None) -> None:
     """Make ``import comfy`` and ``import nodes`` resolve to ComfyUI and set its CLI flags.
 
     ComfyUI only parses ``sys.argv`` when ``comfy.options.enable_args_parsing()`` was called (main.py
@@ -141,7 +141,7 @@ def boot_comfyui_in_process(cpu: bool | None = None) -> ModuleType:
     global _booted_nodes
     if _booted_nodes is not None:
         return _booted_nodes
-    _prepare_comfy_import(cpu)
+    prepare_comfy_import(cpu)
     import comfy.model_management  # noqa: F401  (reads the CLI flags set above)
     # As in main.py: ComfyUI's `utils` package must be imported before nodes.py puts comfy/ first on
     # sys.path, or `utils` resolves to comfy/utils.py and comfy_extras/nodes_images.py fails to import.
@@ -199,7 +199,7 @@ def widen_qwen_detection() -> None:
     the real ones, the widths are read from the weights. Full-width models get exactly the config
     ComfyUI would have produced. Idempotent; nothing shipped may call it.
     """
-    _prepare_comfy_import()
+    prepare_comfy_import()
     import comfy.model_detection as model_detection
 
     original = model_detection.detect_unet_config
@@ -259,7 +259,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> Path:
 
 def _qwen_shapes(num_layers: int, **dims: Any) -> dict[str, torch.Size]:
     """Key names and shapes of ComfyUI's own QwenImageTransformer2DModel, built on the meta device."""
-    _prepare_comfy_import()
+    prepare_comfy_import()
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
 
@@ -296,7 +296,7 @@ def make_tiny_wan_vae(path: Path, seed: int = 0, dtype: torch.dtype = torch.floa
     ComfyUI recognises it by ``decoder.middle.0.residual.0.gamma`` and reads ``dim`` from
     ``decoder.head.0.gamma``; the rest of its config is fixed, so only ``dim`` may vary.
     """
-    _prepare_comfy_import()
+    prepare_comfy_import()
     from comfy.ldm.wan.vae import WanVAE
 
     with torch.device("meta"):

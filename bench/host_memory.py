@@ -1,0 +1,43 @@
+"""Host memory of this process, from ``/proc/self/status`` (Linux).
+
+``VmHWM`` is the peak resident set; writing ``5`` to ``/proc/self/clear_refs`` resets it to the
+current resident set, so a peak can be read for one phase (loading, sampling) at a time.
+File-backed pages (a memory-mapped safetensors file) count as resident too, as they do for users.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{_STATUS} has no {field} line")
+    return int(match.group(1))
+
+
+def rss_bytes() -> int:
+    """The resident set now."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident set since the process started or since :func:`reset_peak`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak() -> bool:
+    """Start a new peak at the current resident set; ``False`` (logged) where the kernel refuses."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError as error:
+        log.warning("cannot reset the peak RSS (%s); peaks then include earlier phases", error)
+        return False
+    return True
