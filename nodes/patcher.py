@@ -79,6 +79,7 @@ class GroupOffloadPatcher(ModelPatcher):
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
         clone = super().clone(*args, **kwargs)
         clone.offload_settings = self.offload_settings
+        _own_engine(clone)
         return clone
 
     # --- what ComfyUI asks --------------------------------------------------------------------
@@ -220,6 +221,34 @@ def _guard_against_plain_patchers(base_model: nn.Module) -> None:
     _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
 
 
+# Base model -> how many GroupOffloadPatchers (the node's clone and every clone of it) can drive its engine.
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _own_engine(patcher: GroupOffloadPatcher) -> None:
+    """Remove the engine once the last GroupOffloadPatcher of its model is garbage-collected.
+
+    The model may outlive them all (the plain patcher it was cloned from stays in ComfyUI's cache, and
+    ComfyUI then unloads that one in their place); nothing would ever give the engine's device copies
+    and pinned memory back otherwise. The callback holds the model weakly: a model that goes too takes
+    its engine with it.
+    """
+    model = patcher.model
+    _OWNERS[model] = _OWNERS.get(model, 0) + 1
+    weakref.finalize(patcher, _disown_engine, weakref.ref(model)).atexit = False
+
+
+def _disown_engine(model_ref: "weakref.ref[nn.Module]") -> None:
+    model = model_ref()
+    if model is None:
+        return
+    owners = _OWNERS.pop(model, 1) - 1
+    if owners:
+        _OWNERS[model] = owners
+    else:
+        remove_engine(model)
+
+
 def remove_engine(base_model: nn.Module) -> None:
     """Hooks and pinned memory gone; the weights stay, as ordinary host memory."""
     blocks = find_blocks(base_model.diffusion_model)
@@ -270,6 +299,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
         clone = model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
+    _own_engine(clone)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
