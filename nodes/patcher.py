@@ -12,7 +12,8 @@ different answers:
   engine adopts the packed host buffers without a copy.
 
 A plain clone of the same model (the node bypassed, say) must find plain modules: a guard on the
-diffusion model takes the engine off when such a patcher runs it.
+diffusion model takes the engine off when such a patcher runs it. When the last GroupOffloadPatcher
+of a model is garbage-collected, the engine goes with it (see ``_own_engine``).
 """
 from __future__ import annotations
 
