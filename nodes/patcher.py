@@ -231,18 +231,15 @@ def _own_engine(patcher: GroupOffloadPatcher) -> None:
 
     The model may outlive them all (the plain patcher it was cloned from stays in ComfyUI's cache, and
     ComfyUI then unloads that one in their place); nothing would ever give the engine's device copies
-    and pinned memory back otherwise. The callback holds the model weakly: a model that goes too takes
-    its engine with it.
+    and pinned memory back otherwise. The callback holds the model, which the patcher holds anyway: so
+    it lives no longer for it, and is still there to unpin when both go in one garbage collection.
     """
     model = patcher.model
     _OWNERS[model] = _OWNERS.get(model, 0) + 1
-    weakref.finalize(patcher, _disown_engine, weakref.ref(model)).atexit = False
+    weakref.finalize(patcher, _disown_engine, model).atexit = False
 
 
-def _disown_engine(model_ref: "weakref.ref[nn.Module]") -> None:
-    model = model_ref()
-    if model is None:
-        return
+def _disown_engine(model: nn.Module) -> None:
     owners = _OWNERS.pop(model, 1) - 1
     if owners:
         _OWNERS[model] = owners

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from comfy_env import txt2img_workflow
+from comfy_env import run_node, txt2img_workflow
 from offload_core import apply_group_offload, handle_of
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
@@ -47,6 +47,18 @@ def test_remove_frees_the_engine_without_waiting_for_the_garbage_collector():
     finally:
         gc.enable()
     assert apply_group_offload(model, list(model), "cpu") is not None, "the blocks can be offloaded again"
+
+
+# --- in-process ComfyUI ----------------------------------------------------------------------
+
+def test_a_model_collected_together_with_its_patcher_still_has_its_engine_removed(comfy_models):
+    model = run_node("GroupOffloadLoader", unet_name=comfy_models.unet_name, weight_dtype="default", **OFFLOAD).outputs[0]
+    block = model.model.diffusion_model.transformer_blocks[0]
+    assert "forward" in block.__dict__
+    model.cycle = model  # patcher and model now go in one garbage collection, not one by one
+    del model
+    gc.collect()
+    assert "forward" not in block.__dict__, "removed (pinned memory given back), not just dropped with the model"
 
 
 # --- through the server -----------------------------------------------------------------------
