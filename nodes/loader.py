@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import os
 import re
 from pathlib import Path
 
@@ -31,19 +33,70 @@ _BLOCK_NAMES = sorted({name for names in BLOCK_LISTS.values() for name in names}
 # "<prefix>transformer_blocks.<i>." where the prefix is whole dotted segments (e.g. "model.diffusion_model.")
 _BLOCK_KEY = re.compile(rf"^(?P<prefix>(?:\w+\.)*?)(?:{'|'.join(_BLOCK_NAMES)})\.\d+\.")
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
+MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
 
 
 class SafetensorsFile:
-    """The header of a .safetensors file, and reads of single tensors into given memory."""
+    """The header of a .safetensors file, checked against the file, and reads of single tensors into given memory."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
+        file_bytes = os.path.getsize(self.path)
+        if file_bytes < 8:
+            raise self._invalid("it is empty" if file_bytes == 0 else f"it is only {file_bytes} bytes long")
         with open(self.path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
+            length = int.from_bytes(f.read(8), "little")
+            if length > MAX_HEADER_BYTES:
+                raise self._invalid(f"its header claims {length} bytes, more than a safetensors header may have")
+            if length > file_bytes - 8:
+                raise self._invalid(f"its header claims {length} bytes, the whole file has {file_bytes}")
+            header = self._parse_header(f.read(length))
         self.metadata = header.pop("__metadata__", None)
         self.entries = header
-        self.data_start = 8 + size
+        self.data_start = 8 + length
+        self._check_layout(file_bytes - self.data_start)
+
+    def _invalid(self, problem: str) -> ValueError:
+        return ValueError(f"{Path(self.path).name} is not a valid safetensors file ({problem}); make sure it is a "
+                          f".safetensors file and was downloaded completely")
+
+    def _parse_header(self, raw: bytes) -> dict:
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+            raise self._invalid("its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise self._invalid("its header is not a JSON object")
+        metadata = header.get("__metadata__", {})
+        if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+            raise self._invalid("its __metadata__ is not a map of strings")
+        return header
+
+    def _check_layout(self, data_bytes: int) -> None:
+        """Known dtypes, sizes that match shapes, and tensors that lie inside the data and do not overlap."""
+        spans = []
+        for key, entry in self.entries.items():
+            if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+                raise self._invalid(f"its entry for {key} lacks dtype, shape or data_offsets")
+            if entry["dtype"] not in _DTYPES:
+                raise self._invalid(f"{key} has dtype {entry['dtype']!r}; this loader reads {', '.join(_DTYPES)}")
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+                raise self._invalid(f"{key} has shape {shape!r}, not a list of sizes")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise self._invalid(f"{key} has data_offsets {offsets!r}, not [start, end]")
+            needed = math.prod(shape) * _DTYPES[entry["dtype"]].itemsize
+            if offsets[1] - offsets[0] != needed:
+                raise self._invalid(f"{key} spans {offsets[1] - offsets[0]} bytes but its shape and dtype need {needed}")
+            spans.append((offsets[0], offsets[1], key))
+        end, last = 0, None
+        for start, stop, key in sorted(spans):
+            if start < end:
+                raise self._invalid(f"{key} overlaps {last}")
+            end, last = stop, key
+        if end > data_bytes:
+            raise self._invalid(f"it is truncated: its tensors need {end} bytes of data, it holds {data_bytes}")
 
     def dtype(self, key: str) -> torch.dtype:
         return _DTYPES[self.entries[key]["dtype"]]

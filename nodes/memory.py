@@ -1,6 +1,7 @@
 """How many device bytes the resident groups may use, from ComfyUI's own memory figures."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GB = 1024**3
@@ -24,8 +25,8 @@ class OffloadSettings:
             raise ValueError(f"blocks_per_group must be at least 1, got {self.blocks_per_group}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {self.prefetch}")
-        if self.resident_gb < 0:
-            raise ValueError(f"resident_gb must be 0 or more, got {self.resident_gb}")
+        if not (math.isfinite(self.resident_gb) and self.resident_gb >= 0):
+            raise ValueError(f"resident_gb must be a finite number, 0 or more, got {self.resident_gb}")
 
 
 def resident_budget(settings: OffloadSettings, weight_budget: float, full_load: bool,

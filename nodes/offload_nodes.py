@@ -1,6 +1,7 @@
 """The three nodes: Group Offload (no copy-back), its loader, and the report."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import folder_paths
@@ -32,12 +33,27 @@ OFFLOAD_INPUTS: dict[str, tuple] = {
 HIDDEN = {"unique_id": "UNIQUE_ID"}
 
 
+class _OffloadInputsValidation:
+    """What ComfyUI's validation of OFFLOAD_INPUTS misses, checked before anything runs."""
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, resident_gb: Any) -> bool | str:
+        """ComfyUI's range check lets NaN through (every comparison with NaN is false), and it skips an
+        input that the node validates itself; so the whole range is checked here."""
+        limits = OFFLOAD_INPUTS["resident_gb"][1]
+        if not isinstance(resident_gb, (int, float)):
+            return True  # linked from another node: OffloadSettings checks it when the node runs
+        if not (math.isfinite(resident_gb) and limits["min"] <= resident_gb <= limits["max"]):
+            return f"resident_gb must be a number from {limits['min']:g} to {limits['max']:g} (GB), got {resident_gb}"
+        return True
+
+
 def _settings(unique_id: str | None, options: dict[str, Any]) -> OffloadSettings:
     """The node's OFFLOAD_INPUTS, and the node whose readout shows the telemetry."""
     return OffloadSettings(node_id=None if unique_id is None else str(unique_id), **options)
 
 
-class GroupOffload:
+class GroupOffload(_OffloadInputsValidation):
     TITLE = "Group Offload (no copy-back)"
     CATEGORY = "advanced/model"
     DESCRIPTION = ("Keeps the diffusion model's transformer blocks in pinned host memory and copies each group to "
@@ -55,7 +71,7 @@ class GroupOffload:
         return (make_offloaded(model, _settings(unique_id, options)),)
 
 
-class GroupOffloadLoader:
+class GroupOffloadLoader(_OffloadInputsValidation):
     TITLE = "Load Diffusion Model (Group Offload)"
     CATEGORY = "advanced/loaders"
     DESCRIPTION = ("Load Diffusion Model, with the transformer blocks read from the file straight into pinned host "

@@ -12,7 +12,8 @@ different answers:
   engine adopts the packed host buffers without a copy.
 
 A plain clone of the same model (the node bypassed, say) must find plain modules: a guard on the
-diffusion model takes the engine off when such a patcher runs it.
+diffusion model takes the engine off when such a patcher runs it. When the last GroupOffloadPatcher
+of a model is garbage-collected, the engine goes with it (see ``_own_engine``).
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class GroupOffloadPatcher(ModelPatcher):
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
         clone = super().clone(*args, **kwargs)
         clone.offload_settings = self.offload_settings
+        _own_engine(clone)
         return clone
 
     # --- what ComfyUI asks --------------------------------------------------------------------
@@ -220,6 +222,31 @@ def _guard_against_plain_patchers(base_model: nn.Module) -> None:
     _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
 
 
+# Base model -> how many GroupOffloadPatchers (the node's clone and every clone of it) can drive its engine.
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _own_engine(patcher: GroupOffloadPatcher) -> None:
+    """Remove the engine once the last GroupOffloadPatcher of its model is garbage-collected.
+
+    The model may outlive them all (the plain patcher it was cloned from stays in ComfyUI's cache, and
+    ComfyUI then unloads that one in their place); nothing would ever give the engine's device copies
+    and pinned memory back otherwise. The callback holds the model, which the patcher holds anyway: so
+    it lives no longer for it, and is still there to unpin when both go in one garbage collection.
+    """
+    model = patcher.model
+    _OWNERS[model] = _OWNERS.get(model, 0) + 1
+    weakref.finalize(patcher, _disown_engine, model).atexit = False
+
+
+def _disown_engine(model: nn.Module) -> None:
+    owners = _OWNERS.pop(model, 1) - 1
+    if owners:
+        _OWNERS[model] = owners
+    else:
+        remove_engine(model)
+
+
 def remove_engine(base_model: nn.Module) -> None:
     """Hooks and pinned memory gone; the weights stay, as ordinary host memory."""
     blocks = find_blocks(base_model.diffusion_model)
@@ -270,6 +297,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
         clone = model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
+    _own_engine(clone)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the

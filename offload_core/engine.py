@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 #: Computes a patched weight on the device from the freshly copied one (e.g. LoRA): (name, weight) -> weight.
 PatchFn = Callable[[str, torch.Tensor], torch.Tensor]
 
-_MANAGED: "weakref.WeakKeyDictionary[nn.Module, GroupOffloadHandle]" = weakref.WeakKeyDictionary()
+# block -> its handle, weak both ways: the wrapped forwards are what keep a handle alive, so a handle
+# lives exactly as long as its blocks can be reached (or until ``remove()``), and never longer.
+_MANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class GroupOffloadHandle:
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
         self._wrapped = [w for g in self.groups for w in self._wrap_forwards(g)]
         for block in blocks:
-            _MANAGED[block] = self
+            _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(config.resident_bytes)
 
     # --- public -----------------------------------------------------------------------------
@@ -370,7 +372,7 @@ def apply_group_offload(
     for i, block in enumerate(blocks):
         if id(block) not in inside:
             raise ValueError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the given model")
-        if block in _MANAGED:
+        if handle_of(block) is not None:
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
@@ -379,4 +381,5 @@ def apply_group_offload(
 
 def handle_of(block: nn.Module) -> GroupOffloadHandle | None:
     """The handle that manages ``block``, if any."""
-    return _MANAGED.get(block)
+    ref = _MANAGED.get(block)
+    return None if ref is None else ref()

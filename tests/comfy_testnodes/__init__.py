@@ -4,6 +4,8 @@ Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_d
 server started with it can load the tiny fixture models, and registers a node that stands in for the
 7B Qwen text encoder.
 """
+import gc
+import os
 import sys
 from pathlib import Path
 
@@ -38,5 +40,54 @@ class GroupOffloadTestConditioning:
         return (make_test_conditioning(seed, tokens, joint_dim),)
 
 
-NODE_CLASS_MAPPINGS = {"GroupOffloadTestConditioning": GroupOffloadTestConditioning}
+def live_objects() -> dict[str, int]:
+    """After a full garbage collection: the pack's engines and host mirrors still alive (found by type
+    name, so that no module of the pack is imported twice), ComfyUI's diffusion models, and the RSS."""
+    import comfy.model_base
+
+    gc.collect()
+    counts = {"engines": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "offload_patchers": 0, "diffusion_models": 0}
+    for obj in gc.get_objects():
+        kind = type(obj).__name__
+        if kind == "GroupOffloadHandle":
+            counts["engines"] += 1
+        elif kind == "HostMirror":
+            counts["host_mirrors"] += 1
+            counts["host_mirror_bytes"] += obj.nbytes
+        elif kind == "GroupOffloadPatcher":
+            counts["offload_patchers"] += 1
+        elif isinstance(obj, comfy.model_base.BaseModel):
+            counts["diffusion_models"] += 1
+    with open("/proc/self/statm") as statm:
+        counts["rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return counts
+
+
+class GroupOffloadTestLiveObjects:
+    """Reports :func:`live_objects` in its UI output; runs at every prompt (never cached)."""
+
+    TITLE = "Live Objects (Group Offload tests)"
+    CATEGORY = "testing/group_offload"
+    DESCRIPTION = "Counts the pack's live engines and host mirrors, ComfyUI's diffusion models and the RSS."
+    RETURN_TYPES = ()
+    FUNCTION = "count"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"optional": {
+            "model": ("MODEL", {"tooltip": "A model to keep alive while counting."}),
+            "samples": ("LATENT", {"tooltip": "Connect a sampler's output to count after it ran."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, **_):
+        return float("nan")  # never equal to itself: ComfyUI runs the node every time
+
+    def count(self, model=None, samples=None):
+        return {"ui": {"live": [live_objects()]}}
+
+
+NODE_CLASS_MAPPINGS = {"GroupOffloadTestConditioning": GroupOffloadTestConditioning,
+                       "GroupOffloadTestLiveObjects": GroupOffloadTestLiveObjects}
 NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}
