@@ -275,6 +275,20 @@ def remove_engine(base_model: nn.Module) -> None:
         guard.remove()
 
 
+def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
+    """Give each weight the dtype the model was built for (e.g. fp8), so that the mirrors hold that.
+
+    With Dynamic VRAM on (newest ComfyUI), Linear weights load lazily in the file's dtype and are cast
+    to the model's (``<name>_comfy_model_dtype``) only as they move to the device.
+    """
+    for block in blocks:
+        for module in block.modules():
+            for name, param in module.named_parameters(recurse=False):
+                dtype = getattr(module, f"{name}_comfy_model_dtype", None)
+                if dtype is not None and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
 def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
                  fill=None) -> GroupOffloadHandle:
     """Pack the blocks into pinned host mirrors (with a ComfyUI progress bar) and hook them."""
@@ -283,6 +297,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         _cpu_notice_given = True
         log.info("Group Offload: ComfyUI runs on the CPU, so offloading brings nothing here; "
                  "the whole mechanism still runs, with host-to-host copies")
+    _cast_to_model_dtypes(blocks)
     bar = comfy.utils.ProgressBar(len(blocks))
     handle = apply_group_offload(
         model, blocks, device,
