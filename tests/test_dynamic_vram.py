@@ -15,11 +15,8 @@ from test_nodes import FOUR_BLOCKS, engine, load_offloaded, models, offload  # n
 @pytest.fixture
 def aimdo_switch(comfy, monkeypatch):
     """Dynamic VRAM's global switch on, as main.py sets it when comfy-aimdo starts."""
-    import comfy.memory_management
-
-    if not hasattr(comfy.memory_management, "aimdo_enabled"):
-        pytest.skip("this ComfyUI has no Dynamic VRAM")
-    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True)
+    memory_management = pytest.importorskip("comfy.memory_management", reason="this ComfyUI has no Dynamic VRAM")
+    monkeypatch.setattr(memory_management, "aimdo_enabled", True)
 
 
 def mirror_dtypes(model) -> set[torch.dtype]:
