@@ -134,4 +134,12 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
             st.read_into(file, key, view)
 
         build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
+    if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
+        offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded
+
+
+def _load_again(path: str, model_options: dict, settings: OffloadSettings,
+                disable_dynamic: bool = True) -> GroupOffloadPatcher:
+    """``load_offloaded`` as ComfyUI calls a loader to load a model again (it never makes a dynamic patcher)."""
+    return load_offloaded(path, model_options, settings)

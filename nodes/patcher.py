@@ -80,6 +80,9 @@ class GroupOffloadPatcher(ModelPatcher):
     offload_settings: OffloadSettings
 
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
+        if kwargs.get("force_deepcopy") and getattr(self, "cached_patcher_init", None) is None:
+            raise ValueError("This offloaded model cannot be deep-copied: the loader that made it cannot load it "
+                             "again; load it with Load Diffusion Model or Load Diffusion Model (Group Offload)")
         clone = super().clone(*args, **kwargs)
         clone.offload_settings = self.offload_settings
         return clone
@@ -312,21 +315,32 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
     return handle
 
 
+# Dynamic model (shared by all its clones) -> its non-dynamic twin, as ``clone(model_override=...)`` takes it.
+_NON_DYNAMIC_TWINS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
+    """A plain clone of a Dynamic VRAM (comfy-aimdo) patcher, whose weights the engine can pack.
+
+    ComfyUI makes one by loading the model again through the loader that made it; the weights it
+    loads are kept for every later clone of the same model (as ComfyUI's ``get_non_dynamic_delegate``
+    does for one patcher), so that host memory holds them once however often the node runs.
+    """
+    try:
+        clone = model.clone(disable_dynamic=True, model_override=_NON_DYNAMIC_TWINS.get(model.model))
+    except RuntimeError as error:
+        raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
+                         "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
+                         "--disable-dynamic-vram") from error
+    _NON_DYNAMIC_TWINS[model.model] = clone.get_clone_model_override()
+    return clone
+
+
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
     check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
-    if getattr(model, "is_dynamic", lambda: False)():
-        # Dynamic VRAM (comfy-aimdo) pages weights in on its own; the engine needs a plain patcher,
-        # which ComfyUI makes by loading the model again through the loader that made this one.
-        try:
-            clone = model.clone(disable_dynamic=True)
-        except RuntimeError as error:
-            raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
-                             "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
-                             "--disable-dynamic-vram") from error
-    else:
-        clone = model.clone()
+    clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):

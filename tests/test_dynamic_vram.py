@@ -6,10 +6,18 @@ class every loader returns). Both are set here the same way; ComfyUI's code runs
 """
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from test_nodes import FOUR_BLOCKS, engine, load_offloaded, models, offload  # noqa: F401  (models: fixture)
+from comfy_env import comfyui_path, run_txt2img
+from test_nodes import FOUR_BLOCKS, engine, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
 
 
 @pytest.fixture
@@ -47,3 +55,59 @@ def test_fp8_through_the_node_with_the_switch_on(models, aimdo_switch):
     fp8, bf16 = offloaded_from_state_dict({"dtype": torch.float8_e4m3fn}), offloaded_from_state_dict({})
     assert engine(fp8).stats()["host_bytes"] < 0.6 * engine(bf16).stats()["host_bytes"]
     fp8.detach(), bf16.detach()
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(comfy, tmp_path_factory) -> dict:
+    """What tests/dynamic_vram_driver.py saw, run in a ComfyUI started as main.py starts it with Dynamic VRAM."""
+    import comfy.model_patcher
+
+    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
+        pytest.skip("this ComfyUI has no Dynamic VRAM")
+    pytest.importorskip("comfy_aimdo")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("dynamic_vram_driver.py")),
+                           str(tmp_path_factory.mktemp("dynamic_vram"))],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, COMFYUI_PATH=str(comfyui_path())))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+def test_the_node_keeps_one_host_copy_however_often_it_runs(dynamic_run):
+    assert dynamic_run["dynamic"] and not any(dynamic_run["offloaded_dynamic"])
+    assert dynamic_run["distinct_offloaded_models"] == 1, "four runs (two with a LoRA) share one plain model"
+    (models_before, bytes_before), (models_after, bytes_after) = dynamic_run["models_before"], dynamic_run["models_after"]
+    assert models_after == models_before + 1
+    assert bytes_after - bytes_before <= 2 * bytes_before  # one more copy (up to float32 where the file is bf16)
+    assert dynamic_run["lora_patches"][0] == 0 < dynamic_run["lora_patches"][2] == dynamic_run["lora_patches"][3]
+
+
+def test_deep_clones_of_the_nodes_output_load_again(dynamic_run):
+    assert dynamic_run["deep_clone"] == ["GroupOffloadPatcher", True, True]
+
+
+def test_a_dynamic_model_that_cannot_be_loaded_again_gets_a_clear_message(dynamic_run):
+    assert "Group Offload needs this model without Dynamic VRAM" in dynamic_run["without_factory"]
+
+
+def test_deep_clones_of_the_loaders_output_load_again(models):
+    from comfy.model_patcher import ModelPatcher
+
+    if "force_deepcopy" not in inspect.signature(ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no deep clones")
+    loaded = load_offloaded()
+    expected = run_txt2img(loaded, seed=14).latent
+    deep = loaded.clone(force_deepcopy=True)
+    assert type(deep) is type(loaded) and deep.model is not loaded.model
+    assert torch.equal(run_txt2img(deep, seed=14).latent, expected)
+
+
+def test_a_deep_clone_without_a_loader_to_load_again_is_refused(models):
+    from comfy.model_patcher import ModelPatcher
+
+    if "force_deepcopy" not in inspect.signature(ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no deep clones")
+    plain = load_plain()
+    plain.cached_patcher_init = None  # as a custom loader leaves it
+    with pytest.raises(ValueError, match="cannot be deep-copied"):
+        offload(plain).clone(force_deepcopy=True)
