@@ -92,9 +92,12 @@ class GroupOffloadPatcher(ModelPatcher):
     def model_size(self) -> int:
         blocks = self.blocks()
         total = mm.module_size(self.model)
-        if self.offload_settings.residency == "auto" or not blocks:
+        if not blocks:
             return total
-        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks)
+        patch_bytes = BlockPatches.device_bytes_for(self.model, self._block_patches(), self.load_device)
+        if self.offload_settings.residency == "auto":
+            return total + patch_bytes
+        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks) + patch_bytes
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         with _blocks_hidden(self.model.diffusion_model):
@@ -102,6 +105,7 @@ class GroupOffloadPatcher(ModelPatcher):
                          force_patch_weights=force_patch_weights, full_load=True)
         other_bytes = mm.module_size(self.model) - _module_bytes(self.blocks())
         handle = self.engine(device_to)
+        handle.set_onload_patch(None)  # the last load's patch tensors leave the device before these come
         patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
         slabs = device_footprint([g.nbytes for g in handle.groups], [False] * len(handle.groups), handle.config.prefetch)
         handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load, other_bytes,
@@ -175,13 +179,13 @@ class GroupOffloadPatcher(ModelPatcher):
         if handle is None or not any(g.onloaded for g in handle.groups):
             return 0
         held = handle.device_bytes_needed()
-        handle.release_device_memory()
+        handle.set_onload_patch(None)  # gives the device memory back, the patch's own too; load() sets it again
         self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - held)
         self.model.model_lowvram = True  # so that the next load_models_gpu calls load() again
         return held
 
     def _planned_device_bytes(self, blocks: list[nn.Module]) -> int:
-        """What ``load()`` will hold on the device for the blocks: groups, slabs and this patcher's patches."""
+        """What ``load()`` will hold on the device for the groups: resident ones and slabs."""
         handle = self.current_engine()
         settings = self.offload_settings
         if handle is not None:
@@ -190,8 +194,7 @@ class GroupOffloadPatcher(ModelPatcher):
             size = settings.blocks_per_group
             group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
             resident = plan_residency(group_bytes, resident_budget(settings, 0, False, 0, 0))
-        patch_bytes = BlockPatches.device_bytes_for(self.model, self._block_patches(), self.load_device)
-        return device_footprint(group_bytes, resident, settings.prefetch) + patch_bytes
+        return device_footprint(group_bytes, resident, settings.prefetch)
 
     def _block_patches(self) -> dict[str, list]:
         """This patcher's weight patches (LoRA...) of block weights; ComfyUI's own load patches the rest."""
