@@ -235,7 +235,12 @@ class BlockPatches:
     def device_bytes_for(model: nn.Module, patches: dict[str, list], device: torch.device) -> int:
         """Device memory for ``patches``: their tensors, and the temporaries of the largest patched weight."""
         tensors: list[torch.Tensor] = []
-        _map_tensors(list(patches.values()), lambda t: tensors.append(t) or t)
+
+        def collect(tensor: torch.Tensor) -> torch.Tensor:
+            tensors.append(tensor)
+            return tensor
+
+        _map_tensors(list(patches.values()), collect)
         largest = max((comfy.utils.get_attr(model, key).numel() for key in patches), default=0)
         return sum(t.nbytes for t in tensors) + _PATCH_TEMPORARIES * largest * _lora_dtype(device).itemsize
 
