@@ -14,11 +14,11 @@ from pathlib import Path
 
 import safetensors
 import torch
+from torch import nn
 
 import comfy.model_detection
 import comfy.sd
 import comfy.utils
-from torch import nn
 
 from .blocks import BLOCK_LISTS, block_list_names
 from .memory import OffloadSettings
