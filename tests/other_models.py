@@ -51,11 +51,12 @@ def comfy_model_shapes(seed: dict[str, tuple[int, ...]]) -> dict[str, torch.Size
     return {key: value.shape for key, value in model.diffusion_model.state_dict().items()}
 
 
-def make_tiny_hunyuan_video(path: Path, original_format: bool = False) -> Path:
+def make_tiny_hunyuan_video(path: Path, original_format: bool = False, prefix: str = "") -> Path:
     """A 1+1-block HunyuanVideo in ComfyUI's key format, or with some keys in the original release's
-    format (``img_attn_qkv``, ``img_mod.linear``), which ComfyUI renames when it loads the file."""
+    format (``img_attn_qkv``, ``img_mod.linear``), which ComfyUI renames when it loads the file.
+    ``prefix`` goes before every key (``model.diffusion_model.`` as in a checkpoint)."""
     tensors = _fill(comfy_model_shapes(HUNYUAN_VIDEO_SEED), seed=0, dtype=torch.bfloat16)
     if original_format:
         tensors = {key.replace("img_attn.qkv.", "img_attn_qkv.").replace("img_mod.lin.", "img_mod.linear."): value
                    for key, value in tensors.items()}
-    return _save(tensors, path)
+    return _save({prefix + key: value for key, value in tensors.items()}, path)

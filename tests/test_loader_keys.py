@@ -10,6 +10,7 @@ from pack_modules import pack_module
 
 HUNYUAN = "tiny_hunyuan_video.safetensors"
 HUNYUAN_ORIGINAL = "tiny_hunyuan_video_original_format.safetensors"
+HUNYUAN_PREFIXED = "tiny_hunyuan_video_prefixed.safetensors"
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
 
 
@@ -18,6 +19,7 @@ def hunyuan_files(comfy_models):
     folder = comfy_models.models_dir / "diffusion_models"
     make_tiny_hunyuan_video(folder / HUNYUAN)
     make_tiny_hunyuan_video(folder / HUNYUAN_ORIGINAL, original_format=True)
+    make_tiny_hunyuan_video(folder / HUNYUAN_PREFIXED, prefix="model.diffusion_model.")
     return comfy_models
 
 
@@ -37,9 +39,10 @@ def test_hunyuan_video_token_refiner_blocks_are_not_blocks(comfy):
     assert blocks == {k for k in keys if k.startswith(("double_blocks.", "single_blocks."))}
 
 
-def test_hunyuan_video_loads_exactly_as_load_diffusion_model(hunyuan_files):
-    expected = run_node("UNETLoader", unet_name=HUNYUAN, weight_dtype="default").outputs[0]
-    offloaded = run_node("GroupOffloadLoader", unet_name=HUNYUAN, weight_dtype="default", **OFFLOAD).outputs[0]
+@pytest.mark.parametrize("name", [HUNYUAN, HUNYUAN_PREFIXED])
+def test_hunyuan_video_loads_exactly_as_load_diffusion_model(hunyuan_files, name):
+    expected = run_node("UNETLoader", unet_name=name, weight_dtype="default").outputs[0]
+    offloaded = run_node("GroupOffloadLoader", unet_name=name, weight_dtype="default", **OFFLOAD).outputs[0]
     handle = pack_module("offload_core").handle_of(offloaded.model.diffusion_model.double_blocks[0])
     assert len(handle.groups) == 2  # one double block, one single block
     ours, theirs = offloaded.model.diffusion_model.state_dict(), expected.model.diffusion_model.state_dict()
