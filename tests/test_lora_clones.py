@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 
 from comfy_env import run_node, run_txt2img
