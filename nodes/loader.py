@@ -16,13 +16,15 @@ from pathlib import Path
 
 import safetensors
 import torch
+from torch import nn
 
+import comfy.model_detection
 import comfy.sd
 import comfy.utils
 
-from .blocks import BLOCK_LISTS
+from .blocks import BLOCK_LISTS, block_list_names
 from .memory import OffloadSettings
-from .patcher import GroupOffloadPatcher, build_engine, make_offloaded, remove_engine
+from .patcher import GroupOffloadPatcher, build_engine, make_offloaded
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -30,8 +32,9 @@ _DTYPES = {
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _BLOCK_NAMES = sorted({name for names in BLOCK_LISTS.values() for name in names})
-# "<prefix>transformer_blocks.<i>." where the prefix is whole dotted segments (e.g. "model.diffusion_model.")
-_BLOCK_KEY = re.compile(rf"^(?P<prefix>(?:\w+\.)*?)(?:{'|'.join(_BLOCK_NAMES)})\.\d+\.")
+# "transformer_blocks.<i>." right after the diffusion model's prefix: a block list of the diffusion
+# model itself, not one nested in another module (Chroma's distilled_guidance_layer.layers.<i>).
+_BLOCK_KEY = re.compile(rf"(?:{'|'.join(_BLOCK_NAMES)})\.\d+\.")
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
 MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
 
@@ -131,28 +134,49 @@ def _is_quantized(st: SafetensorsFile) -> bool:
     return converts_scaled_fp8 and any(k.endswith("scaled_fp8") for k in st.entries)
 
 
+def block_keys(keys: list[str]) -> tuple[str, set[str]]:
+    """The diffusion model's prefix in ``keys`` (as ComfyUI strips it) and the keys of its blocks."""
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(keys)
+    if not any(key.startswith(prefix) for key in keys):
+        prefix = ""  # ComfyUI then keeps the keys as they are
+    return prefix, {key for key in keys if key.startswith(prefix) and _BLOCK_KEY.match(key, len(prefix))}
+
+
+def _check_block_keys(path: str, diffusion_model: nn.Module, file_keys: set[str]) -> None:
+    """The block tensors of the built model must be the file's block tensors, under the same names."""
+    model_keys = {f"{name}.{key}" for name in block_list_names(diffusion_model)
+                  for key in getattr(diffusion_model, name).state_dict()}
+    if missing := model_keys - file_keys:
+        raise ValueError(f"ComfyUI renames the keys of {Path(path).name} when it loads it (the model's {min(missing)} "
+                         f"is not in the file), so its blocks cannot be read straight into host memory; use Load "
+                         f"Diffusion Model followed by Group Offload (no copy-back)")
+    if extra := file_keys - model_keys:
+        raise ValueError(f"{len(extra)} block tensors of {Path(path).name} belong to no block of "
+                         f"{type(diffusion_model).__name__} (e.g. {min(extra)}); use Load Diffusion Model "
+                         f"followed by Group Offload (no copy-back)")
+
+
 def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) -> GroupOffloadPatcher:
     """ComfyUI's ``load_diffusion_model``, with the blocks going straight into pinned host mirrors."""
     st = SafetensorsFile(path)
     if _is_quantized(st):
         raise ValueError(f"{Path(path).name} holds quantized weights, which Group Offload cannot stream yet; "
                          f"load it with Load Diffusion Model")
-    block_keys = {key: m.group("prefix") for key in st.entries if (m := _BLOCK_KEY.match(key))}
-    if not block_keys:
+    prefix, blocks_in_file = block_keys(list(st.entries))
+    if not blocks_in_file:
         raise ValueError(f"{Path(path).name} has no transformer blocks this loader knows; "
                          f"use Load Diffusion Model followed by Group Offload (no copy-back)")
     state_dict = {}
     with safetensors.safe_open(path, framework="pt") as f:
         for key in st.entries:
-            state_dict[key] = st.placeholder(key) if key in block_keys else f.get_tensor(key)
+            state_dict[key] = st.placeholder(key) if key in blocks_in_file else f.get_tensor(key)
     extra = {"disable_dynamic": True} if _ACCEPTS_DISABLE_DYNAMIC else {}
     patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, metadata=st.metadata, **extra)
     if patcher is None:
         raise RuntimeError(f"ERROR: Could not detect model type of: {path}")
     del state_dict
+    _check_block_keys(path, patcher.model.diffusion_model, {key.removeprefix(prefix) for key in blocks_in_file})
     offloaded = make_offloaded(patcher, settings)
-    prefix = next(iter(block_keys.values()))
-    unread = set(block_keys)
 
     with open(path, "rb") as file:
         def fill(name: str, view: torch.Tensor) -> None:
@@ -161,11 +185,14 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
                 raise ValueError(f"{Path(path).name} has no tensor {key} for block weight {name}; "
                                  f"use Load Diffusion Model followed by Group Offload (no copy-back)")
             st.read_into(file, key, view)
-            unread.discard(key)
 
         build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
-    if unread:
-        remove_engine(offloaded.model)
-        raise ValueError(f"{len(unread)} block tensors of {Path(path).name} belong to no block of "
-                         f"{type(offloaded.model.diffusion_model).__name__} (e.g. {min(unread)})")
+    if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
+        offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded
+
+
+def _load_again(path: str, model_options: dict, settings: OffloadSettings,
+                disable_dynamic: bool = True) -> GroupOffloadPatcher:
+    """``load_offloaded`` as ComfyUI calls a loader to load a model again (it never makes a dynamic patcher)."""
+    return load_offloaded(path, model_options, settings)

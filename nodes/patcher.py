@@ -18,11 +18,11 @@ of a model is garbage-collected, the engine goes with it (see ``_own_engine``).
 from __future__ import annotations
 
 import contextlib
-import inspect
+import copy
 import logging
 import uuid
 import weakref
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ import comfy.lora
 import comfy.model_management as mm
 import comfy.utils
 from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
+from comfy.weight_adapter import WeightAdapterBase
 
 from ..offload_core import (GroupOffloadHandle, apply_group_offload, check_offloadable, device_footprint, handle_of,
                             plan_residency)
@@ -41,8 +42,10 @@ from .telemetry import finish_run, post_cfg_step, start_run
 
 log = logging.getLogger(__name__)
 
-# Newest ComfyUI computes a patched weight without storing it (and in its own LoRA dtype).
-_PATCH_RETURNS_WEIGHT = "return_weight" in inspect.signature(ModelPatcher.patch_weight_to_device).parameters
+# Newest ComfyUI computes LoRA in a per-device dtype (fp16 where it is fast); 0.3.75 in float32.
+_lora_dtype: Callable[[torch.device], torch.dtype] = getattr(mm, "lora_compute_dtype", lambda device: torch.float32)
+# Computing a patched weight holds about this many temporaries of the weight's size in the LoRA dtype.
+_PATCH_TEMPORARIES = 3
 _cpu_notice_given = False
 
 
@@ -78,6 +81,9 @@ class GroupOffloadPatcher(ModelPatcher):
     offload_settings: OffloadSettings
 
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
+        if kwargs.get("force_deepcopy") and getattr(self, "cached_patcher_init", None) is None:
+            raise ValueError("This offloaded model cannot be deep-copied: the loader that made it cannot load it "
+                             "again; load it with Load Diffusion Model or Load Diffusion Model (Group Offload)")
         clone = super().clone(*args, **kwargs)
         clone.offload_settings = self.offload_settings
         _own_engine(clone)
@@ -88,9 +94,12 @@ class GroupOffloadPatcher(ModelPatcher):
     def model_size(self) -> int:
         blocks = self.blocks()
         total = mm.module_size(self.model)
-        if self.offload_settings.residency == "auto" or not blocks:
+        if not blocks:
             return total
-        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks)
+        patch_bytes = BlockPatches.device_bytes_for(self.model, self._block_patches(), self.load_device)
+        if self.offload_settings.residency == "auto":
+            return total + patch_bytes
+        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks) + patch_bytes
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         with _blocks_hidden(self.model.diffusion_model):
@@ -98,9 +107,12 @@ class GroupOffloadPatcher(ModelPatcher):
                          force_patch_weights=force_patch_weights, full_load=True)
         other_bytes = mm.module_size(self.model) - _module_bytes(self.blocks())
         handle = self.engine(device_to)
+        handle.set_onload_patch(None)  # the last load's patch tensors leave the device before these come
+        patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
         slabs = device_footprint([g.nbytes for g in handle.groups], [False] * len(handle.groups), handle.config.prefetch)
-        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load, other_bytes, slabs))
-        handle.set_onload_patch(self._onload_patch(), [k for k in self.patches if k in self._block_keys(handle)])
+        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load, other_bytes,
+                                                  slabs + patches.device_bytes))
+        handle.set_onload_patch(patches, patches.keys(), device_bytes=patches.device_bytes)
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
@@ -169,40 +181,83 @@ class GroupOffloadPatcher(ModelPatcher):
         if handle is None or not any(g.onloaded for g in handle.groups):
             return 0
         held = handle.device_bytes_needed()
-        handle.release_device_memory()
+        handle.set_onload_patch(None)  # gives the device memory back, the patch's own too; load() sets it again
         self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - held)
         self.model.model_lowvram = True  # so that the next load_models_gpu calls load() again
         return held
 
     def _planned_device_bytes(self, blocks: list[nn.Module]) -> int:
+        """What ``load()`` will hold on the device for the groups: resident ones and slabs."""
         handle = self.current_engine()
+        settings = self.offload_settings
         if handle is not None:
-            return handle.device_bytes_needed()
-        size = self.offload_settings.blocks_per_group
-        group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-        budget = resident_budget(self.offload_settings, 0, False, 0, 0)
-        return device_footprint(group_bytes, plan_residency(group_bytes, budget), self.offload_settings.prefetch)
+            group_bytes, resident = [g.nbytes for g in handle.groups], [g.resident for g in handle.groups]
+        else:
+            size = settings.blocks_per_group
+            group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+            resident = plan_residency(group_bytes, resident_budget(settings, 0, False, 0, 0))
+        return device_footprint(group_bytes, resident, settings.prefetch)
+
+    def _block_patches(self) -> dict[str, list]:
+        """This patcher's weight patches (LoRA...) of block weights; ComfyUI's own load patches the rest."""
+        prefixes = tuple(f"diffusion_model.{name}." for name in block_list_names(self.model.diffusion_model))
+        return {key: patches for key, patches in self.patches.items() if key.startswith(prefixes)}
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a ComfyUI weight patch, or part of one) with ``fn`` applied to every tensor in it."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, WeightAdapterBase):
+        mapped = copy.copy(value)
+        mapped.weights = _map_tensors(value.weights, fn)
+        return mapped
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(item, fn) for item in value)
+    if isinstance(value, list):
+        return [_map_tensors(item, fn) for item in value]
+    return value
+
+
+class BlockPatches:
+    """The blocks' weight patches (LoRA...) for one load, applied on the device to each fresh copy.
+
+    Their tensors are moved to the device once, here, instead of at every onload. No patcher is held:
+    ComfyUI runs a clone with the same ``patches_uuid`` (ModelSamplingAuraFlow after the loader, say)
+    on the weights this load patched, without loading again, and the clone that loaded may be gone by
+    then; a clone with other patches makes ComfyUI unpatch and load again.
+    """
+
+    def __init__(self, model: nn.Module, patches: dict[str, list], device: torch.device) -> None:
+        self._model = weakref.ref(model)  # the engine lives on the model: no reference cycle through it
+        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items()}
+        self.device_bytes = self.device_bytes_for(model, self._patches, device)
 
     @staticmethod
-    def _block_keys(handle: GroupOffloadHandle) -> set[str]:
-        return {name for group in handle.groups for name in group.qualnames()}
+    def device_bytes_for(model: nn.Module, patches: dict[str, list], device: torch.device) -> int:
+        """Device memory for ``patches``: their tensors, and the temporaries of the largest patched weight."""
+        tensors: list[torch.Tensor] = []
 
-    def _onload_patch(self):
-        """LoRA and other weight patches, computed on the device from each fresh copy."""
-        patcher = weakref.ref(self)  # the engine lives on the shared model; it must not keep patchers alive
-        return lambda key, weight: patcher().patched_weight(key, weight)
+        def collect(tensor: torch.Tensor) -> torch.Tensor:
+            tensors.append(tensor)
+            return tensor
 
-    def patched_weight(self, key: str, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` with this patcher's patches for ``key``, exactly as ComfyUI's own load computes it."""
-        if _PATCH_RETURNS_WEIGHT:
-            return self.patch_weight_to_device(key, device_to=weight.device, return_weight=True)
-        _, set_func, convert_func = get_key_weight(self.model, key)
+        _map_tensors(list(patches.values()), collect)
+        largest = max((comfy.utils.get_attr(model, key).numel() for key in patches), default=0)
+        return sum(t.nbytes for t in tensors) + _PATCH_TEMPORARIES * largest * _lora_dtype(device).itemsize
+
+    def keys(self) -> list[str]:
+        return list(self._patches)
+
+    def __call__(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` patched exactly as ComfyUI's own load patches it."""
+        _, set_func, convert_func = get_key_weight(self._model(), key)
         if set_func is not None:
             raise ValueError(f"Group Offload cannot patch {key}: its weight format needs ComfyUI's own loader")
-        temp = mm.cast_to_device(weight, weight.device, torch.float32, copy=True)
+        temp = mm.cast_to_device(weight, weight.device, _lora_dtype(weight.device), copy=True)
         if convert_func is not None:
             temp = convert_func(temp, inplace=True)
-        out = comfy.lora.calculate_weight(self.patches[key], temp, key)
+        out = comfy.lora.calculate_weight(self._patches[key], temp, key)
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))
 
 
@@ -258,6 +313,20 @@ def remove_engine(base_model: nn.Module) -> None:
         guard.remove()
 
 
+def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
+    """Give each weight the dtype the model was built for (e.g. fp8), so that the mirrors hold that.
+
+    With Dynamic VRAM on (newest ComfyUI), Linear weights load lazily in the file's dtype and are cast
+    to the model's (``<name>_comfy_model_dtype``) only as they move to the device.
+    """
+    for block in blocks:
+        for module in block.modules():
+            for name, param in module.named_parameters(recurse=False):
+                dtype = getattr(module, f"{name}_comfy_model_dtype", None)
+                if dtype is not None and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
 def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
                  fill=None) -> GroupOffloadHandle:
     """Pack the blocks into pinned host mirrors (with a ComfyUI progress bar) and hook them."""
@@ -266,6 +335,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         _cpu_notice_given = True
         log.info("Group Offload: ComfyUI runs on the CPU, so offloading brings nothing here; "
                  "the whole mechanism still runs, with host-to-host copies")
+    _cast_to_model_dtypes(blocks)
     bar = comfy.utils.ProgressBar(len(blocks))
     handle = apply_group_offload(
         model, blocks, device,
@@ -280,21 +350,32 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
     return handle
 
 
+# Dynamic model (shared by all its clones) -> its non-dynamic twin, as ``clone(model_override=...)`` takes it.
+_NON_DYNAMIC_TWINS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
+    """A plain clone of a Dynamic VRAM (comfy-aimdo) patcher, whose weights the engine can pack.
+
+    ComfyUI makes one by loading the model again through the loader that made it; the weights it
+    loads are kept for every later clone of the same model (as ComfyUI's ``get_non_dynamic_delegate``
+    does for one patcher), so that host memory holds them once however often the node runs.
+    """
+    try:
+        clone = model.clone(disable_dynamic=True, model_override=_NON_DYNAMIC_TWINS.get(model.model))
+    except RuntimeError as error:
+        raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
+                         "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
+                         "--disable-dynamic-vram") from error
+    _NON_DYNAMIC_TWINS[model.model] = clone.get_clone_model_override()
+    return clone
+
+
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
     check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
-    if getattr(model, "is_dynamic", lambda: False)():
-        # Dynamic VRAM (comfy-aimdo) pages weights in on its own; the engine needs a plain patcher,
-        # which ComfyUI makes by loading the model again through the loader that made this one.
-        try:
-            clone = model.clone(disable_dynamic=True)
-        except RuntimeError as error:
-            raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
-                             "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
-                             "--disable-dynamic-vram") from error
-    else:
-        clone = model.clone()
+    clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
     _own_engine(clone)

@@ -88,6 +88,7 @@ class GroupOffloadHandle:
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
         self._patch: PatchFn | None = None
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
+        self._patch_bytes = 0
         self._wrapped = [w for g in self.groups for w in self._wrap_forwards(g)]
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
@@ -124,14 +125,20 @@ class GroupOffloadHandle:
         self._lookahead = None if self._lookahead is None else self._plan_lookahead()
 
     def device_bytes_needed(self) -> int:
-        """Device memory the offloaded blocks hold while sampling: resident groups plus slabs."""
-        return device_footprint([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.config.prefetch)
+        """Device memory the offloaded blocks hold while sampling: resident groups, slabs and the patch's own."""
+        groups = device_footprint([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.config.prefetch)
+        return groups + self._patch_bytes
 
-    def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = ()) -> None:
-        """Apply ``patch`` to the named tensors on the device after every onload (mirrors stay pristine)."""
+    def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = (), device_bytes: int = 0) -> None:
+        """Apply ``patch`` to the named tensors on the device after every onload (mirrors stay pristine).
+
+        ``device_bytes``: device memory the patch holds or needs besides the groups (its own tensors,
+        its temporaries); ``device_bytes_needed`` counts it.
+        """
         wanted = set(names)
         self.release_device_memory()
         self._patch = patch if wanted else None
+        self._patch_bytes = device_bytes if wanted else 0
         self._patched = {g.index: [i for i, n in enumerate(g.qualnames()) if n in wanted] for g in self.groups}
 
     def onload_resident(self) -> None:
@@ -202,8 +209,8 @@ class GroupOffloadHandle:
         def offloaded_forward(*args, **kwargs):
             if not self._wrapped:  # removed while someone else's wrapper still calls this one
                 return forward(*args, **kwargs)
-            self._enter(group)
             try:
+                self._enter(group)
                 output = forward(*args, **kwargs)
             except BaseException:
                 self._exit(group)
@@ -271,21 +278,32 @@ class GroupOffloadHandle:
 
     def _onload(self, group: ModuleGroup, prefetched: bool) -> None:
         slab = self._resident_buffer(group) if group.resident else self._take_slab()
-        if self._cuda:
-            released = self._released.pop(slab.data_ptr(), None)
-            if released is not None:
-                self._copy_stream.wait_event(released)  # the last group that read this slab has run
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_into(group, slab, non_blocking=True)
-                group.ready = torch.cuda.Event()
-                group.ready.record(self._copy_stream)
-        else:
-            self._copy_into(group, slab, non_blocking=False)
+        try:
+            if self._cuda:
+                released = self._released.pop(slab.data_ptr(), None)
+                if released is not None:
+                    self._copy_stream.wait_event(released)  # the last group that read this slab has run
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_into(group, slab, non_blocking=True)
+                    group.ready = torch.cuda.Event()
+                    group.ready.record(self._copy_stream)
+            else:
+                self._copy_into(group, slab, non_blocking=False)
+        except BaseException:
+            self._abandon_onload(group, slab)
+            raise
         self.ledger.onloads += 1
         if prefetched:
             self.ledger.prefetches += 1
         else:
             self.ledger.sync_onloads += 1
+
+    def _abandon_onload(self, group: ModuleGroup, slab: torch.Tensor) -> None:
+        """A failed onload (its patch raised, say): the group computes from its mirror again."""
+        self._finish_copies()  # the slab may be reused or freed only after the copy into it
+        group.offload_()
+        if not group.resident:
+            self._free_slabs.append(slab)
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
         views = group.onload_(slab, non_blocking)

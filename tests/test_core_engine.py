@@ -323,6 +323,35 @@ def test_a_failing_forward_leaves_the_group_offloaded():
         assert torch.equal(offloaded(x), reference(x))
 
 
+@pytest.mark.parametrize("failing", [0, 3], ids=["own_onload", "prefetch"])
+def test_a_failing_onload_patch_leaves_the_group_offloaded(failing):
+    reference, offloaded, x = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+
+    def out_of_memory(name, weight):
+        raise RuntimeError("out of memory")
+
+    with torch.no_grad():
+        offloaded(x)  # learns the order: group 3 is prefetched while group 2 runs
+        handle.set_onload_patch(out_of_memory, [f"blocks.{failing}.attn.weight"])
+        with pytest.raises(RuntimeError, match="out of memory"):
+            offloaded(x)
+        assert not any(g.onloaded for g in handle.groups)
+        assert handle.stats()["slab_bytes"] <= (handle.config.prefetch + 1) * max(group_bytes(handle))
+        handle.set_onload_patch(None)
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_the_patch_device_bytes_are_counted_while_a_patch_is_set():
+    _, offloaded, _ = make_pair("cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    groups_only = handle.device_bytes_needed()
+    handle.set_onload_patch(lambda name, w: w, ["blocks.0.attn.weight"], device_bytes=1000)
+    assert handle.device_bytes_needed() == groups_only + 1000
+    handle.set_onload_patch(None, device_bytes=1000)
+    assert handle.device_bytes_needed() == groups_only
+
+
 def test_removal_under_a_later_wrapper_keeps_it_working():
     reference, offloaded, x = make_pair("cpu")
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")

@@ -1,0 +1,77 @@
+"""Runs the Group Offload node on real ``ModelPatcherDynamic`` patchers and prints what it saw, as JSON.
+
+Run by tests/test_dynamic_vram.py in its own process, because ComfyUI must start the way main.py
+starts it with Dynamic VRAM on: comfy-aimdo's library loaded before ComfyUI imports its modules, and
+``ModelPatcherDynamic`` installed as the class every loader returns. Only the load device differs:
+ModelPatcherDynamic hands CPU models a plain patcher, so the models here name the meta device as
+their load device (nothing is loaded onto it; the node only packs host memory).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from comfy_env import boot_comfyui_in_process, run_node, tiny_qwen_image_file, widen_qwen_detection  # noqa: E402
+from lora_fixture import make_lora  # noqa: E402
+
+OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+NOT_THE_CPU = {"load_device": torch.device("meta")}
+
+
+def host_models() -> tuple[int, int]:
+    """How many diffusion models are alive, and the bytes of their distinct parameter storages."""
+    import comfy.model_base
+
+    models = [o for o in gc.get_objects() if isinstance(o, comfy.model_base.BaseModel)]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for m in models for p in m.parameters() if p.device.type == "cpu"}
+    return len(models), sum(storages.values())
+
+
+def main(workdir: Path) -> dict:
+    import comfy_aimdo.control
+
+    comfy_aimdo.control.init()  # main.py does this first, before ComfyUI imports comfy-aimdo's modules
+    boot_comfyui_in_process()
+    widen_qwen_detection()
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.utils
+
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic  # as main.py installs it
+    path = str(tiny_qwen_image_file(num_layers=4))
+    lora = comfy.utils.load_torch_file(str(make_lora(Path(path), workdir / "lora.safetensors")))
+
+    dynamic = comfy.sd.load_diffusion_model(path, model_options=NOT_THE_CPU)
+    gc.collect()
+    before = host_models()
+    inputs = [dynamic, dynamic] + [comfy.sd.load_lora_for_models(dynamic, None, lora, s, 0)[0] for s in (0.8, 0.3)]
+    outputs = [run_node("GroupOffload", model=m, **OFFLOAD).outputs[0] for m in inputs]
+    gc.collect()
+    after = host_models()
+    deep = outputs[0].clone(force_deepcopy=True)
+    results = {
+        "dynamic": dynamic.is_dynamic(),
+        "offloaded_dynamic": [o.is_dynamic() for o in outputs],
+        "distinct_offloaded_models": len({id(o.model) for o in outputs}),
+        "models_before": before, "models_after": after,
+        "lora_patches": [len(o.patches) for o in outputs],
+        "deep_clone": [type(deep).__name__, deep.model is not outputs[0].model,
+                       deep.offload_settings == outputs[0].offload_settings],
+    }
+    no_factory = comfy.sd.load_diffusion_model_state_dict(comfy.utils.load_torch_file(path), model_options=NOT_THE_CPU)
+    try:
+        run_node("GroupOffload", model=no_factory, **OFFLOAD)
+    except ValueError as error:
+        results["without_factory"] = str(error)
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULTS " + json.dumps(main(Path(sys.argv[1]))))
