@@ -1,18 +1,23 @@
 """``GroupOffloadPatcher``: a ModelPatcher whose diffusion blocks stream from pinned host mirrors.
 
-ComfyUI's memory manager keeps working as it does for every model; only four of its questions get
+ComfyUI's memory manager keeps working as it does for every model; only these of its questions get
 different answers:
 
 - ``model_size``  the device footprint this model asks for: the weights outside the blocks, plus the
-  resident groups and streaming slabs (``auto`` asks for everything, so ComfyUI sizes the budget);
+  resident groups and streaming slabs it plans for (``auto`` plans against the device's whole
+  memory, so ComfyUI makes room as for any large model). The streamed bytes stay in host memory,
+  already pinned, so they are not asked for twice;
 - ``load``        ComfyUI loads everything but the blocks its usual way; the blocks get the engine,
-  with as many groups resident as the budget allows;
+  with as many groups resident as the budget ComfyUI grants and the really free memory allow;
 - ``partially_unload`` / ``unpatch_model``  give the engine's device memory back first;
-- ``detach``      (unload) also removes the engine, so the pinned host memory is returned too; a later
-  engine adopts the packed host buffers without a copy.
+- ``detach``      (unload) gives the device memory back and keeps the engine: its packed, pinned host
+  mirrors stay, so that loading this model again (two models taking turns) costs only device copies;
+- ``pinned_memory_size`` / ``partially_unload_ram``  report and release the pinned host memory.
 
-A plain clone of the same model (the node bypassed, say) must find plain modules: a guard on the
-diffusion model takes the engine off when such a patcher runs it.
+The offload device is always the CPU (under ``--gpu-only`` / ``--highvram`` ComfyUI's is the GPU),
+so ComfyUI never moves the blocks onto the device whole. A plain clone of the same model (the node
+bypassed, say) must find plain modules: a guard on the diffusion model takes the engine off when
+such a patcher runs it.
 """
 from __future__ import annotations
 
@@ -46,13 +51,34 @@ _cpu_notice_given = False
 
 
 class ComfyPinner:
-    """Pins through ComfyUI, so that its pinned-memory budget and accounting see the mirrors."""
+    """Pins through ComfyUI's ``pin_memory``, so that its pinned-memory total and limit count the mirrors.
+
+    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
+    mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
+    """
+
+    @staticmethod
+    def enabled() -> bool:
+        """False under ``--cpu`` or ``--disable-pinned-memory``, where ComfyUI pins nothing."""
+        return mm.MAX_PINNED_MEMORY > 0
 
     def pin(self, buffer: torch.Tensor) -> bool:
-        return bool(mm.pin_memory(buffer))
+        return bool(mm.pin_memory(nn.Parameter(buffer, requires_grad=False)))
 
     def unpin(self, buffer: torch.Tensor) -> None:
         mm.unpin_memory(buffer)
+
+
+def _warn_if_unpinned(stats: dict) -> None:
+    """One warning per load when some streamed groups copy from pageable memory."""
+    unpinned = stats["streamed_bytes_per_pass"] - stats["pinned_bytes"]
+    if unpinned <= 0 or not ComfyPinner.enabled():
+        return
+    log.warning("Group Offload: only %.2f of %.2f GB streamed per pass is pinned; ComfyUI's pinned-memory limit is "
+                "%.2f GB and %.2f GB of it is in use. The other %.2f GB stream from pageable memory, with slower "
+                "copies: unload other models, load the model as fp8, or set residency to keep more groups on the GPU",
+                stats["pinned_bytes"] / 1e9, stats["streamed_bytes_per_pass"] / 1e9, mm.MAX_PINNED_MEMORY / 1e9,
+                mm.TOTAL_PINNED_MEMORY / 1e9, unpinned / 1e9)
 
 
 @contextlib.contextmanager
@@ -85,10 +111,13 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def model_size(self) -> int:
         blocks = self.blocks()
-        total = mm.module_size(self.model)
-        if self.offload_settings.residency == "auto" or not blocks:
-            return total
-        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks)
+        if not blocks:  # ComfyUI's own load is running, with the blocks hidden
+            return mm.module_size(self.model)
+        other_bytes = mm.module_size(self.model) - _module_bytes(blocks)
+        group_bytes = self._group_bytes(blocks)
+        wanted = _wanted_resident_bytes(self.offload_settings, self.load_device, other_bytes, group_bytes)
+        return other_bytes + device_footprint(group_bytes, plan_residency(group_bytes, wanted),
+                                              self.offload_settings.prefetch)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         with _blocks_hidden(self.model.diffusion_model):
@@ -96,8 +125,12 @@ class GroupOffloadPatcher(ModelPatcher):
                          force_patch_weights=force_patch_weights, full_load=True)
         other_bytes = mm.module_size(self.model) - _module_bytes(self.blocks())
         handle = self.engine(device_to)
+        handle.release_device_memory()  # so that the free figure below counts it as free
         slabs = device_footprint([g.nbytes for g in handle.groups], [False] * len(handle.groups), handle.config.prefetch)
-        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load, other_bytes, slabs))
+        free = mm.get_free_memory(device_to) - mm.minimum_inference_memory()
+        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load,
+                                                  other_bytes, slabs, free))
+        _warn_if_unpinned(handle.stats())
         handle.set_onload_patch(self._onload_patch(), [k for k in self.patches if k in self._block_keys(handle)])
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
@@ -119,17 +152,27 @@ class GroupOffloadPatcher(ModelPatcher):
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # ``unpatch_all=False`` comes before every sampling run (load_models_gpu detaches the
-        # requested model itself, or a clone about to take over): park the engine, so that a plain
-        # clone finds pristine host weights and this one takes its device copies up again for free.
-        # Unloading removes it: the pinned memory goes back, the weights stay as ordinary host
-        # memory, and a later engine adopts that packing.
+        # Unloading (``unpatch_all``) gives the engine's device memory back (``unpatch_model``) and
+        # keeps the engine, packed and pinned: loading this model again, as when two offloaded
+        # models take turns, costs only device copies. ``unpatch_all=False`` comes before every
+        # sampling run (load_models_gpu detaches the requested model itself, or a clone about to
+        # take over): park the engine, so that a plain clone finds pristine host weights and this
+        # one takes its device copies up again for free.
         model = super().detach(unpatch_all)
-        if unpatch_all:
-            remove_engine(self.model)
-        elif (handle := self.current_engine()) is not None and getattr(self.model, "current_patcher", None) in (None, self):
+        handle = self.current_engine()
+        if not unpatch_all and handle is not None and getattr(self.model, "current_patcher", None) in (None, self):
             handle.park()  # (a stale clone being garbage-collected detaches too: it must not park a running engine)
         return model
+
+    def pinned_memory_size(self) -> int:
+        """Host memory the engine holds page-locked (newest ComfyUI asks every model)."""
+        handle = self.current_engine()
+        return 0 if handle is None else handle.stats()["pinned_bytes"]
+
+    def partially_unload_ram(self, ram_to_unload, subsets=None) -> int:
+        """Give the pinned host memory back under memory pressure; the next load pins it again."""
+        handle = self.current_engine()
+        return 0 if handle is None else handle.unpin()
 
     def pre_run(self):
         super().pre_run()
@@ -155,8 +198,10 @@ class GroupOffloadPatcher(ModelPatcher):
         """The engine on this model's blocks, built (or rebuilt for a new layout) on demand."""
         settings = self.offload_settings
         handle = self.current_engine()
-        if handle is not None and (handle.config.blocks_per_group, handle.config.prefetch) != (settings.blocks_per_group, settings.prefetch):
-            remove_engine(self.model)
+        built_for = None if handle is None else (handle.config.blocks_per_group, handle.config.prefetch,
+                                                 handle.config.onload_device)
+        if handle is not None and built_for != (settings.blocks_per_group, settings.prefetch, torch.device(device)):
+            remove_engine(self.model)  # the new engine adopts the packed host buffers as they are
             handle = None
         if handle is None:
             handle = build_engine(self.model, self.blocks(), device, settings)
@@ -172,14 +217,12 @@ class GroupOffloadPatcher(ModelPatcher):
         self.model.model_lowvram = True  # so that the next load_models_gpu calls load() again
         return held
 
-    def _planned_device_bytes(self, blocks: list[nn.Module]) -> int:
-        handle = self.current_engine()
+    def _group_bytes(self, blocks: list[nn.Module]) -> list[int]:
+        handle = handle_of(blocks[0])
         if handle is not None:
-            return handle.device_bytes_needed()
+            return [g.nbytes for g in handle.groups]
         size = self.offload_settings.blocks_per_group
-        group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-        budget = resident_budget(self.offload_settings, 0, False, 0, 0)
-        return device_footprint(group_bytes, plan_residency(group_bytes, budget), self.offload_settings.prefetch)
+        return [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
 
     @staticmethod
     def _block_keys(handle: GroupOffloadHandle) -> set[str]:
@@ -231,20 +274,35 @@ def remove_engine(base_model: nn.Module) -> None:
         guard.remove()
 
 
+def _wanted_resident_bytes(settings: OffloadSettings, device: torch.device, other_bytes: int,
+                           group_bytes: list[int]) -> int:
+    """The resident budget asked for before ComfyUI grants one: ``auto`` plans against the device's
+    whole memory less ComfyUI's inference reserve, as much as the card could hold."""
+    capacity = mm.get_total_memory(torch.device(device)) - mm.minimum_inference_memory()
+    slabs = device_footprint(group_bytes, [False] * len(group_bytes), settings.prefetch)
+    return resident_budget(settings, 0, True, other_bytes, slabs, capacity - other_bytes)
+
+
 def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
                  fill=None) -> GroupOffloadHandle:
-    """Pack the blocks into pinned host mirrors (with a ComfyUI progress bar) and hook them."""
+    """Pack the blocks into host mirrors (with a ComfyUI progress bar), pin the ones planned to
+    stream, and hook them."""
     global _cpu_notice_given
     if torch.device(device).type == "cpu" and not _cpu_notice_given:
         _cpu_notice_given = True
         log.info("Group Offload: ComfyUI runs on the CPU, so offloading brings nothing here; "
                  "the whole mechanism still runs, with host-to-host copies")
     bar = comfy.utils.ProgressBar(len(blocks))
+    size = settings.blocks_per_group
+    other_bytes = mm.module_size(model) - _module_bytes(blocks)
+    group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
+        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),
+        pin_memory=ComfyPinner.enabled(),
         fill=fill,
         pinner=ComfyPinner(),
         progress=lambda done, total: bar.update_absolute(done, total),
@@ -270,6 +328,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
         clone = model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
+    clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
