@@ -20,6 +20,7 @@ from comfy_env import (
     tiny_wan_vae_file,
     use_models_in_process,
 )
+from fake_cudart import FakeCudart, install as install_fake_cudart
 
 
 class _RepositoryIsNotATestPackage:
@@ -69,6 +70,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def comfy():
     """ComfyUI's ``nodes`` module, booted in this process (``--cpu`` without CUDA)."""
     return boot_comfyui_in_process()
+
+
+@pytest.fixture
+def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """ComfyUI pins through a recording stand-in for the CUDA runtime, as on a GPU machine (see fake_cudart)."""
+    return install_fake_cudart(monkeypatch)
 
 
 @pytest.fixture(scope="session")
