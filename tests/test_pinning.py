@@ -10,7 +10,7 @@ import torch
 
 import comfy_env
 from comfy_env import make_test_conditioning, run_node, run_txt2img
-from test_nodes import engine, load_offloaded, load_plain, models, offload  # noqa: F401 (models is a fixture)
+from test_nodes import engine, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
 
 SECOND_MODEL = "tiny_qwen_image_4_blocks_second.safetensors"
 
@@ -22,6 +22,42 @@ def pins(handle) -> list[int]:
 
 def streamed(handle) -> list[int]:
     return [g.nbytes for g in handle.groups if not g.resident]
+
+
+# --- the engine's pinning policy, on its own ------------------------------------------------
+
+class RecordingPinner:
+    """A Pinner that refuses the calls whose (1-based) numbers are given."""
+
+    def __init__(self, refuse_calls: set[int]) -> None:
+        self.refuse_calls, self.calls, self.pinned = refuse_calls, 0, set()
+
+    def pin(self, buffer: torch.Tensor) -> bool:
+        self.calls += 1
+        if self.calls in self.refuse_calls:
+            return False
+        self.pinned.add(buffer.data_ptr())
+        return True
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        self.pinned.remove(buffer.data_ptr())
+
+
+def test_the_engine_pins_streamed_groups_past_a_refusal_and_unpins_resident_ones():
+    from offload_core import apply_group_offload
+
+    blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+    pinner = RecordingPinner(refuse_calls={1})
+    handle = apply_group_offload(blocks, list(blocks), "cpu", pinner=pinner)  # every group streams
+    assert pinner.calls == 4 and len(pinner.pinned) == 3, "the first refusal stops nothing"
+    group = handle.groups[0].nbytes
+    assert handle.stats()["pinned_bytes"] == 3 * group
+    handle.set_resident_bytes(group)  # one group resident: its mirror is not needed pinned
+    assert [g.index for g in handle.groups if g.resident] == [1]
+    assert pinner.pinned == {g.mirror.buffer.data_ptr() for g in handle.groups if not g.resident}
+    assert pinner.calls == 5, "the refused group, still streamed, is tried again"
+    assert handle.unpin() == 3 * group and not pinner.pinned
+    handle.remove()
 
 
 # --- pinning under each residency mode ----------------------------------------------------------
@@ -296,3 +332,20 @@ def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, m
         assert model.offload_device == torch.device("cpu")
     finally:  # its other weights are on the meta device now: forget it rather than unload it
         mm.current_loaded_models[:] = [m for m in mm.current_loaded_models if m.model is not model]
+
+
+def test_pins_are_counted_once(models, fake_cudart, monkeypatch):
+    """Newest ComfyUI makes room for ``model_size()`` more pinned bytes at every load (0.3.75 only
+    for device memory): the streamed groups, already pinned, must not be in it."""
+    import comfy.model_management as mm
+
+    group = offload(load_plain(), residency="auto").engine(torch.device("cpu")).groups[0].nbytes  # all resident
+    model = offload(load_plain(), residency="auto", prefetch=1)
+    model.load_device = GPU
+    other = mm.module_size(model.model) - raw_block_bytes(model)
+    give_device_memory(monkeypatch, free=0, total=mm.minimum_inference_memory() + other + 2 * group + int(1.5 * group))
+    handle = model.engine(GPU)  # plans against the device's whole memory: one group resident, three streamed
+    assert pins(handle) == streamed(handle) == [group] * 3
+    assert model.pinned_memory_size() == 3 * group == fake_cudart.registered_bytes
+    assert model.model_size() == other + group + 2 * group, "the rest, one resident group and two slabs"
+    assert model.model_size() + model.pinned_memory_size() == other + handle.stats()["host_bytes"] + 2 * group
