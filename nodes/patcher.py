@@ -69,16 +69,21 @@ class ComfyPinner:
         mm.unpin_memory(buffer)
 
 
-def _warn_if_unpinned(stats: dict) -> None:
+def _warn_if_unpinned(handle: GroupOffloadHandle) -> None:
     """One warning per load when some streamed groups copy from pageable memory."""
-    unpinned = stats["streamed_bytes_per_pass"] - stats["pinned_bytes"]
-    if unpinned <= 0 or not ComfyPinner.enabled():
+    streamed = [g for g in handle.groups if not g.resident]
+    pinned = [g for g in streamed if g.mirror.pinned]
+    if len(pinned) == len(streamed) or not ComfyPinner.enabled():
         return
-    log.warning("Group Offload: only %.2f of %.2f GB streamed per pass is pinned; ComfyUI's pinned-memory limit is "
-                "%.2f GB and %.2f GB of it is in use. The other %.2f GB stream from pageable memory, with slower "
-                "copies: unload other models, load the model as fp8, or set residency to keep more groups on the GPU",
-                stats["pinned_bytes"] / 1e9, stats["streamed_bytes_per_pass"] / 1e9, mm.MAX_PINNED_MEMORY / 1e9,
-                mm.TOTAL_PINNED_MEMORY / 1e9, unpinned / 1e9)
+    log.warning("Group Offload: %d of %d streamed groups are pinned (%s of %s); ComfyUI's pinned-memory limit is %s, "
+                "%s of it in use. The others stream from pageable memory, with slower copies: unload other models, "
+                "load the model as fp8, or set residency to keep more groups on the GPU",
+                len(pinned), len(streamed), _size(sum(g.nbytes for g in pinned)), _size(sum(g.nbytes for g in streamed)),
+                _size(mm.MAX_PINNED_MEMORY), _size(mm.TOTAL_PINNED_MEMORY))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 @contextlib.contextmanager
@@ -130,7 +135,7 @@ class GroupOffloadPatcher(ModelPatcher):
         free = mm.get_free_memory(device_to) - mm.minimum_inference_memory()
         handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load,
                                                   other_bytes, slabs, free))
-        _warn_if_unpinned(handle.stats())
+        _warn_if_unpinned(handle)
         handle.set_onload_patch(self._onload_patch(), [k for k in self.patches if k in self._block_keys(handle)])
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
