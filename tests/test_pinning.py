@@ -316,7 +316,7 @@ def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, m
         monkeypatch.setattr(mm, name, getattr(mm.VRAMState, value) if name == "vram_state" else value)
     give_device_memory(monkeypatch, free=0)
     group = model.engine(GPU).groups[0].nbytes
-    other = mm.module_size(model.model) - 4 * group
+    other = mm.module_size(model.model) - raw_block_bytes(model)
     free = mm.minimum_inference_memory() + other + 2 * group + int(free_groups * group)  # beside the 2 slabs
     give_device_memory(monkeypatch, free)
     handle = model.engine(GPU)
