@@ -168,9 +168,9 @@ def test_new_settings_repin_only_what_streams_then(models, fake_cudart):
     assert sorted(fake_cudart.registered.values()) == sorted(streamed(engine(twice))) == sorted(pins(engine(twice)))
 
 
-@pytest.mark.xfail(reason="needs issue 9's engine registry fix (another helper): offload_core's _MANAGED maps each "
-                          "block to a handle that holds the block, so a dropped model's engine is never collected "
-                          "and its mirrors stay registered", strict=False)
+@pytest.mark.xfail(reason="needs issue 9 item 4 (another helper): offload_core's _MANAGED maps each block to a "
+                          "handle that holds the block, so a dropped model's engine is never collected, and a "
+                          "collected mirror has no finalizer to unregister it", strict=False)
 def test_a_dropped_model_leaves_nothing_registered(models, fake_cudart):
     import comfy.model_management as mm
 
