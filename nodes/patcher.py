@@ -51,11 +51,17 @@ _cpu_notice_given = False
 
 
 class ComfyPinner:
-    """Pins through ComfyUI's ``pin_memory``, so that its pinned-memory total and limit count the mirrors.
+    """Pins the mirrors of one diffusion model through ComfyUI's ``pin_memory``, so that its
+    pinned-memory total and limit count them.
 
     ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
     mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
+    Past the limit, the offloaded models ComfyUI has unloaded give their pins up first, as any
+    unloaded model's would be gone.
     """
+
+    def __init__(self, owner: nn.Module) -> None:
+        self._owner = weakref.ref(owner)
 
     @staticmethod
     def enabled() -> bool:
@@ -63,7 +69,10 @@ class ComfyPinner:
         return mm.MAX_PINNED_MEMORY > 0
 
     def pin(self, buffer: torch.Tensor) -> bool:
-        return bool(mm.pin_memory(nn.Parameter(buffer, requires_grad=False)))
+        as_parameter = nn.Parameter(buffer, requires_grad=False)
+        if mm.pin_memory(as_parameter):
+            return True
+        return _unpin_unloaded_models(keep=self._owner()) > 0 and bool(mm.pin_memory(as_parameter))
 
     def unpin(self, buffer: torch.Tensor) -> None:
         mm.unpin_memory(buffer)
@@ -268,6 +277,16 @@ def _guard_against_plain_patchers(base_model: nn.Module) -> None:
     _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
 
 
+def _unpin_unloaded_models(keep: nn.Module | None) -> int:
+    """Unpin the engines of offloaded models that ComfyUI has unloaded (all but ``keep``); returns the bytes."""
+    loaded = {id(getattr(m.model.model, "diffusion_model", None)) for m in mm.current_loaded_models if m.model is not None}
+    freed = 0
+    for diffusion_model in list(_GUARDS):  # every diffusion model with an engine
+        if diffusion_model is not keep and id(diffusion_model) not in loaded:
+            freed += handle_of(find_blocks(diffusion_model)[0]).unpin()
+    return freed
+
+
 def remove_engine(base_model: nn.Module) -> None:
     """Hooks and pinned memory gone; the weights stay, as ordinary host memory."""
     blocks = find_blocks(base_model.diffusion_model)
@@ -309,7 +328,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),
         pin_memory=ComfyPinner.enabled(),
         fill=fill,
-        pinner=ComfyPinner(),
+        pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
     _guard_against_plain_patchers(model)

@@ -249,6 +249,30 @@ def test_two_offloaded_models_take_turns_with_device_copies_only(models, second_
     assert host_two == host_one + host_storage_bytes(low), "host memory holds each model once"
 
 
+def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(models, second_model, monkeypatch):
+    import comfy.model_management as mm
+    from fake_cudart import install
+
+    high_plain, low_plain = load_plain(), run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0]
+    expected = two_expert_run(high_plain, low_plain)
+    group = offload(load_plain()).engine(torch.device("cpu")).groups[0].nbytes
+    limit = int(5.5 * group)  # room for one model's four groups, not for both
+    fake = install(monkeypatch, comfy_pin_limit=limit, driver_limit=limit)
+    high = offload(load_plain(), residency="stream_all")
+    low = offload(run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0], residency="stream_all")
+    pinned_groups = []  # (high's, low's) at each switch, before the next sampler loads its model
+
+    def switch() -> None:
+        unload_everything()
+        pinned_groups.append(tuple(len(pins(engine(m))) if engine(m) else 0 for m in (high, low)))
+
+    for _ in range(2):
+        assert torch.equal(two_expert_run(high, low, switch=switch), expected)
+        assert fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
+    assert pinned_groups == [(0, 0), (4, 0), (0, 4), (4, 0)], "each model, while it ran, held all its pins"
+    assert len(pins(engine(low))) == 4 and not pins(engine(high))
+
+
 # --- another device, and the VRAM flags -----------------------------------------------------
 # The meta device stands in for a GPU: ComfyUI's memory code runs as for one, with its free and
 # total memory given (the CUDA runtime's figures), and nothing is computed on it.
