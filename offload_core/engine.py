@@ -131,12 +131,10 @@ class GroupOffloadHandle:
         does not stop the others. Returns the streamed bytes left in pageable memory."""
         if self._pinner is None:
             return 0
-        refused = 0
         for group in self.groups:
             if group.resident:
-                group.mirror.unpin()
-            elif not group.mirror.pinned and not group.pin(self._pinner):
-                refused += group.nbytes
+                group.mirror.unpin()  # first, so that the streamed ones can have what it held
+        refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not g.pin(self._pinner))
         if refused:
             log.info("%.1f MB of streamed groups stay in pageable memory (slower copies): pinning was refused",
                      refused / 2**20)
