@@ -75,7 +75,7 @@ def comfy():
 @pytest.fixture
 def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     """ComfyUI pins through a recording stand-in for the CUDA runtime, as on a GPU machine (see fake_cudart)."""
-    return install_fake_cudart(monkeypatch)
+    return install_fake_cudart(monkeypatch.setattr)
 
 
 @pytest.fixture(scope="session")

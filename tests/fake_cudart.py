@@ -11,8 +11,8 @@ that is already (or not) registered, or past a registration limit of the "driver
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
-import pytest
 import torch
 
 CUDA_SUCCESS = 0
@@ -54,19 +54,20 @@ class FakeCudart:
         return [size for call, _, size in self.calls if call == kind]
 
 
-def install(monkeypatch: pytest.MonkeyPatch, comfy_pin_limit: int | None = None,
+def install(set_attr: Callable[[Any, str, Any], None] = setattr, comfy_pin_limit: int | None = None,
             driver_limit: int | None = None) -> FakeCudart:
-    """Make ComfyUI (already imported) pin through a :class:`FakeCudart` until the test ends.
+    """Make ComfyUI (already imported) pin through a :class:`FakeCudart`.
 
-    ``comfy_pin_limit`` is ComfyUI's ``MAX_PINNED_MEMORY`` (default: 90 % of RAM, between the two
-    versions' Linux figures); its pinned-memory bookkeeping starts empty.
+    ``set_attr`` is ``monkeypatch.setattr`` in a test (undone when it ends), plain ``setattr`` in a
+    server started for tests. ``comfy_pin_limit`` is ComfyUI's ``MAX_PINNED_MEMORY`` (default: 90 %
+    of RAM, between the two versions' Linux figures); its pinned-memory bookkeeping starts empty.
     """
     import comfy.model_management as mm
 
     fake = FakeCudart(driver_limit=driver_limit)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    set_attr(torch.cuda, "cudart", lambda: fake)
     limit = comfy_pin_limit if comfy_pin_limit is not None else mm.get_total_memory(torch.device("cpu")) * 0.9
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", limit)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    set_attr(mm, "MAX_PINNED_MEMORY", limit)
+    set_attr(mm, "PINNED_MEMORY", {})
+    set_attr(mm, "TOTAL_PINNED_MEMORY", 0)
     return fake

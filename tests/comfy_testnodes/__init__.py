@@ -2,8 +2,10 @@
 
 Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
-7B Qwen text encoder.
+7B Qwen text encoder. With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
+the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +16,19 @@ if _TESTS_DIR not in sys.path:
 from comfy_env import make_test_conditioning, widen_qwen_detection  # noqa: E402
 
 widen_qwen_detection()
+
+if os.environ.get("GROUP_OFFLOAD_FAKE_CUDART") == "1":
+    import comfy.model_management
+    from aiohttp import web
+    from fake_cudart import install
+    from server import PromptServer
+
+    _fake_cudart = install()
+
+    @PromptServer.instance.routes.get("/group_offload_test/pins")
+    async def _pins(request):
+        return web.json_response({"registered_bytes": _fake_cudart.registered_bytes,
+                                  "total_pinned": comfy.model_management.TOTAL_PINNED_MEMORY})
 
 
 class GroupOffloadTestConditioning:
