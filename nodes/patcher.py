@@ -113,6 +113,11 @@ def _module_bytes(modules: list[nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
+def _raw_group_bytes(blocks: list[nn.Module], blocks_per_group: int) -> list[int]:
+    """Each group's bytes before packing (the packed mirrors add alignment)."""
+    return [_module_bytes(blocks[i : i + blocks_per_group]) for i in range(0, len(blocks), blocks_per_group)]
+
+
 class GroupOffloadPatcher(ModelPatcher):
     offload_settings: OffloadSettings
 
@@ -235,8 +240,7 @@ class GroupOffloadPatcher(ModelPatcher):
         handle = handle_of(blocks[0])
         if handle is not None:
             return [g.nbytes for g in handle.groups]
-        size = self.offload_settings.blocks_per_group
-        return [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+        return _raw_group_bytes(blocks, self.offload_settings.blocks_per_group)
 
     @staticmethod
     def _block_keys(handle: GroupOffloadHandle) -> set[str]:
@@ -317,15 +321,14 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         log.info("Group Offload: ComfyUI runs on the CPU, so offloading brings nothing here; "
                  "the whole mechanism still runs, with host-to-host copies")
     bar = comfy.utils.ProgressBar(len(blocks))
-    size = settings.blocks_per_group
     other_bytes = mm.module_size(model) - _module_bytes(blocks)
-    group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+    group_bytes = _raw_group_bytes(blocks, settings.blocks_per_group)
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
-        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),
+        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),  # so it pins what will stream
         pin_memory=ComfyPinner.enabled(),
         fill=fill,
         pinner=ComfyPinner(model.diffusion_model),
