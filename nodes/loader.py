@@ -171,6 +171,9 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
         for key in st.entries:
             state_dict[key] = st.placeholder(key) if key in blocks_in_file else f.get_tensor(key)
     extra = {"disable_dynamic": True} if _ACCEPTS_DISABLE_DYNAMIC else {}
+    # Newest ComfyUI takes the offload device from the options: under --gpu-only / --highvram its
+    # default is the GPU, where it would move the whole model (0.3.75 always uses its default).
+    model_options = {**model_options, "offload_device": torch.device("cpu")}
     patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, metadata=st.metadata, **extra)
     if patcher is None:
         raise RuntimeError(f"ERROR: Could not detect model type of: {path}")

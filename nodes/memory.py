@@ -30,18 +30,20 @@ class OffloadSettings:
 
 
 def resident_budget(settings: OffloadSettings, weight_budget: float, full_load: bool,
-                    other_weight_bytes: int, slab_bytes: int) -> int:
+                    other_weight_bytes: int, slab_bytes: int, free_bytes: float) -> int:
     """Device bytes for resident groups.
 
     ``weight_budget`` is what ComfyUI's ``load_models_gpu`` grants this model's weights after its
     inference reserve for the sampling run (``lowvram_model_memory``); ``full_load`` means ComfyUI
-    found room for all of it.  ``other_weight_bytes`` are the weights outside the blocks (always
-    loaded) and ``slab_bytes`` the streaming buffers.
+    grants all of it, which it also says under ``--highvram`` / ``--gpu-only`` whatever the model's
+    size. ``free_bytes`` is the device memory really free once the rest of the model is loaded,
+    less ComfyUI's inference reserve: ``auto`` never plans past it. ``other_weight_bytes`` are the
+    weights outside the blocks (always loaded) and ``slab_bytes`` the streaming buffers.
     """
     if settings.residency == "stream_all":
         return 0
     if settings.residency == "budget":
         return int(settings.resident_gb * GB)
-    if full_load:
-        return 1 << 62  # everything fits: every group stays resident
-    return max(0, int(weight_budget) - other_weight_bytes - slab_bytes)
+    room = free_bytes - slab_bytes
+    granted = room if full_load else min(weight_budget - other_weight_bytes - slab_bytes, room)
+    return max(0, int(granted))

@@ -1,19 +1,24 @@
 """``GroupOffloadPatcher``: a ModelPatcher whose diffusion blocks stream from pinned host mirrors.
 
-ComfyUI's memory manager keeps working as it does for every model; only four of its questions get
+ComfyUI's memory manager keeps working as it does for every model; only these of its questions get
 different answers:
 
 - ``model_size``  the device footprint this model asks for: the weights outside the blocks, plus the
-  resident groups and streaming slabs (``auto`` asks for everything, so ComfyUI sizes the budget);
+  resident groups and streaming slabs it plans for (``auto`` plans against the device's whole
+  memory, so ComfyUI makes room as for any large model). The streamed bytes stay in host memory,
+  already pinned, so they are not asked for twice;
 - ``load``        ComfyUI loads everything but the blocks its usual way; the blocks get the engine,
-  with as many groups resident as the budget allows;
+  with as many groups resident as the budget ComfyUI grants and the really free memory allow;
 - ``partially_unload`` / ``unpatch_model``  give the engine's device memory back first;
-- ``detach``      (unload) also removes the engine, so the pinned host memory is returned too; a later
-  engine adopts the packed host buffers without a copy.
+- ``detach``      (unload) gives the device memory back and keeps the engine: its packed, pinned host
+  mirrors stay, so that loading this model again (two models taking turns) costs only device copies;
+- ``pinned_memory_size`` / ``partially_unload_ram``  report and release the pinned host memory.
 
-A plain clone of the same model (the node bypassed, say) must find plain modules: a guard on the
-diffusion model takes the engine off when such a patcher runs it. When the last GroupOffloadPatcher
-of a model is garbage-collected, the engine goes with it (see ``_own_engine``).
+The offload device is always the CPU (under ``--gpu-only`` / ``--highvram`` ComfyUI's is the GPU),
+so ComfyUI never moves the blocks onto the device whole. A plain clone of the same model (the node
+bypassed, say) must find plain modules: a guard on the diffusion model takes the engine off when
+such a patcher runs it. When the last GroupOffloadPatcher of a model is garbage-collected, the
+engine, its host mirrors and its pins go with it (see ``_own_engine``).
 """
 from __future__ import annotations
 
@@ -50,13 +55,48 @@ _cpu_notice_given = False
 
 
 class ComfyPinner:
-    """Pins through ComfyUI, so that its pinned-memory budget and accounting see the mirrors."""
+    """Pins the mirrors of one diffusion model through ComfyUI's ``pin_memory``, so that its
+    pinned-memory total and limit count them.
+
+    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
+    mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
+    Past the limit, the offloaded models ComfyUI has unloaded give their pins up first, as any
+    unloaded model's would be gone.
+    """
+
+    def __init__(self, owner: nn.Module) -> None:
+        self._owner = weakref.ref(owner)
+
+    @staticmethod
+    def enabled() -> bool:
+        """False under ``--cpu`` or ``--disable-pinned-memory``, where ComfyUI pins nothing."""
+        return mm.MAX_PINNED_MEMORY > 0
 
     def pin(self, buffer: torch.Tensor) -> bool:
-        return bool(mm.pin_memory(buffer))
+        as_parameter = nn.Parameter(buffer, requires_grad=False)
+        if mm.pin_memory(as_parameter):
+            return True
+        return _unpin_unloaded_models(keep=self._owner()) > 0 and bool(mm.pin_memory(as_parameter))
 
     def unpin(self, buffer: torch.Tensor) -> None:
         mm.unpin_memory(buffer)
+
+
+def _warn_if_unpinned(handle: GroupOffloadHandle) -> None:
+    """One warning per load when some streamed groups copy from pageable memory."""
+    streamed = [g for g in handle.groups if not g.resident]
+    pinned = [g for g in streamed if g.mirror.pinned]
+    if len(pinned) == len(streamed) or not ComfyPinner.enabled():
+        return
+    log.warning("Group Offload: %d of %d streamed groups are pinned (%s of %s); ComfyUI's pinned-memory limit is %s, "
+                "%s of it in use. The others stream from pageable memory, with slower copies: unload other models, "
+                "load the model as fp8, or set residency to keep more groups on the GPU",
+                len(pinned), len(streamed), _size(sum(g.nbytes for g in pinned)), _size(sum(g.nbytes for g in streamed)),
+                _size(mm.MAX_PINNED_MEMORY), _size(mm.TOTAL_PINNED_MEMORY))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 @contextlib.contextmanager
@@ -77,6 +117,11 @@ def _module_bytes(modules: list[nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
+def _raw_group_bytes(blocks: list[nn.Module], blocks_per_group: int) -> list[int]:
+    """Each group's bytes before packing (the packed mirrors add alignment)."""
+    return [_module_bytes(blocks[i : i + blocks_per_group]) for i in range(0, len(blocks), blocks_per_group)]
+
+
 class GroupOffloadPatcher(ModelPatcher):
     offload_settings: OffloadSettings
 
@@ -93,13 +138,14 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def model_size(self) -> int:
         blocks = self.blocks()
-        total = mm.module_size(self.model)
-        if not blocks:
-            return total
+        if not blocks:  # ComfyUI's own load is running, with the blocks hidden
+            return mm.module_size(self.model)
+        other_bytes = mm.module_size(self.model) - _module_bytes(blocks)
         patch_bytes = BlockPatches.device_bytes_for(self.model, self._block_patches(), self.load_device)
-        if self.offload_settings.residency == "auto":
-            return total + patch_bytes
-        return total - _module_bytes(blocks) + self._planned_device_bytes(blocks) + patch_bytes
+        group_bytes = self._group_bytes(blocks)
+        wanted = _wanted_resident_bytes(self.offload_settings, self.load_device, other_bytes + patch_bytes, group_bytes)
+        return other_bytes + patch_bytes + device_footprint(group_bytes, plan_residency(group_bytes, wanted),
+                                                            self.offload_settings.prefetch)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         with _blocks_hidden(self.model.diffusion_model):
@@ -107,11 +153,14 @@ class GroupOffloadPatcher(ModelPatcher):
                          force_patch_weights=force_patch_weights, full_load=True)
         other_bytes = mm.module_size(self.model) - _module_bytes(self.blocks())
         handle = self.engine(device_to)
-        handle.set_onload_patch(None)  # the last load's patch tensors leave the device before these come
+        # The last load's device memory, its patch tensors too, goes back first: the free figure counts it as free.
+        handle.set_onload_patch(None)
+        free = mm.get_free_memory(device_to) - mm.minimum_inference_memory()
         patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
         slabs = device_footprint([g.nbytes for g in handle.groups], [False] * len(handle.groups), handle.config.prefetch)
-        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load, other_bytes,
-                                                  slabs + patches.device_bytes))
+        handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load,
+                                                  other_bytes, slabs + patches.device_bytes, free))
+        _warn_if_unpinned(handle)
         handle.set_onload_patch(patches, patches.keys(), device_bytes=patches.device_bytes)
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
@@ -133,17 +182,27 @@ class GroupOffloadPatcher(ModelPatcher):
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # ``unpatch_all=False`` comes before every sampling run (load_models_gpu detaches the
-        # requested model itself, or a clone about to take over): park the engine, so that a plain
-        # clone finds pristine host weights and this one takes its device copies up again for free.
-        # Unloading removes it: the pinned memory goes back, the weights stay as ordinary host
-        # memory, and a later engine adopts that packing.
+        # Unloading (``unpatch_all``) gives the engine's device memory back (``unpatch_model``) and
+        # keeps the engine, packed and pinned: loading this model again, as when two offloaded
+        # models take turns, costs only device copies. ``unpatch_all=False`` comes before every
+        # sampling run (load_models_gpu detaches the requested model itself, or a clone about to
+        # take over): park the engine, so that a plain clone finds pristine host weights and this
+        # one takes its device copies up again for free.
         model = super().detach(unpatch_all)
-        if unpatch_all:
-            remove_engine(self.model)
-        elif (handle := self.current_engine()) is not None and getattr(self.model, "current_patcher", None) in (None, self):
+        handle = self.current_engine()
+        if not unpatch_all and handle is not None and getattr(self.model, "current_patcher", None) in (None, self):
             handle.park()  # (a stale clone being garbage-collected detaches too: it must not park a running engine)
         return model
+
+    def pinned_memory_size(self) -> int:
+        """Host memory the engine holds page-locked (newest ComfyUI asks every model)."""
+        handle = self.current_engine()
+        return 0 if handle is None else handle.stats()["pinned_bytes"]
+
+    def partially_unload_ram(self, ram_to_unload, subsets=None) -> int:
+        """Give the pinned host memory back under memory pressure; the next load pins it again."""
+        handle = self.current_engine()
+        return 0 if handle is None else handle.unpin()
 
     def pre_run(self):
         super().pre_run()
@@ -169,8 +228,10 @@ class GroupOffloadPatcher(ModelPatcher):
         """The engine on this model's blocks, built (or rebuilt for a new layout) on demand."""
         settings = self.offload_settings
         handle = self.current_engine()
-        if handle is not None and (handle.config.blocks_per_group, handle.config.prefetch) != (settings.blocks_per_group, settings.prefetch):
-            remove_engine(self.model)
+        built_for = None if handle is None else (handle.config.blocks_per_group, handle.config.prefetch,
+                                                 handle.config.onload_device)
+        if handle is not None and built_for != (settings.blocks_per_group, settings.prefetch, torch.device(device)):
+            remove_engine(self.model)  # the new engine adopts the packed host buffers as they are
             handle = None
         if handle is None:
             handle = build_engine(self.model, self.blocks(), device, settings)
@@ -186,17 +247,11 @@ class GroupOffloadPatcher(ModelPatcher):
         self.model.model_lowvram = True  # so that the next load_models_gpu calls load() again
         return held
 
-    def _planned_device_bytes(self, blocks: list[nn.Module]) -> int:
-        """What ``load()`` will hold on the device for the groups: resident ones and slabs."""
-        handle = self.current_engine()
-        settings = self.offload_settings
+    def _group_bytes(self, blocks: list[nn.Module]) -> list[int]:
+        handle = handle_of(blocks[0])
         if handle is not None:
-            group_bytes, resident = [g.nbytes for g in handle.groups], [g.resident for g in handle.groups]
-        else:
-            size = settings.blocks_per_group
-            group_bytes = [_module_bytes(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-            resident = plan_residency(group_bytes, resident_budget(settings, 0, False, 0, 0))
-        return device_footprint(group_bytes, resident, settings.prefetch)
+            return [g.nbytes for g in handle.groups]
+        return _raw_group_bytes(blocks, self.offload_settings.blocks_per_group)
 
     def _block_patches(self) -> dict[str, list]:
         """This patcher's weight patches (LoRA...) of block weights; ComfyUI's own load patches the rest."""
@@ -277,6 +332,17 @@ def _guard_against_plain_patchers(base_model: nn.Module) -> None:
     _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
 
 
+def _unpin_unloaded_models(keep: nn.Module | None) -> int:
+    """Unpin the engines of offloaded models that ComfyUI has unloaded (all but ``keep``); returns the bytes."""
+    loaded = {id(getattr(m.model.model, "diffusion_model", None)) for m in mm.current_loaded_models if m.model is not None}
+    freed = 0
+    for diffusion_model in list(_GUARDS):  # every diffusion model with an engine
+        handle = handle_of(find_blocks(diffusion_model)[0])
+        if handle is not None and diffusion_model is not keep and id(diffusion_model) not in loaded:
+            freed += handle.unpin()
+    return freed
+
+
 # Base model -> how many GroupOffloadPatchers (the node's clone and every clone of it) can drive its engine.
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
@@ -313,6 +379,15 @@ def remove_engine(base_model: nn.Module) -> None:
         guard.remove()
 
 
+def _wanted_resident_bytes(settings: OffloadSettings, device: torch.device, other_bytes: int,
+                           group_bytes: list[int]) -> int:
+    """The resident budget asked for before ComfyUI grants one: ``auto`` plans against the device's
+    whole memory less ComfyUI's inference reserve, as much as the card could hold."""
+    capacity = mm.get_total_memory(torch.device(device)) - mm.minimum_inference_memory()
+    slabs = device_footprint(group_bytes, [False] * len(group_bytes), settings.prefetch)
+    return resident_budget(settings, 0, True, other_bytes, slabs, capacity - other_bytes)
+
+
 def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
     """Give each weight the dtype the model was built for (e.g. fp8), so that the mirrors hold that.
 
@@ -329,7 +404,8 @@ def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
 
 def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
                  fill=None) -> GroupOffloadHandle:
-    """Pack the blocks into pinned host mirrors (with a ComfyUI progress bar) and hook them."""
+    """Pack the blocks into host mirrors (with a ComfyUI progress bar), pin the ones planned to
+    stream, and hook them."""
     global _cpu_notice_given
     if torch.device(device).type == "cpu" and not _cpu_notice_given:
         _cpu_notice_given = True
@@ -337,13 +413,17 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
                  "the whole mechanism still runs, with host-to-host copies")
     _cast_to_model_dtypes(blocks)
     bar = comfy.utils.ProgressBar(len(blocks))
+    other_bytes = mm.module_size(model) - _module_bytes(blocks)
+    group_bytes = _raw_group_bytes(blocks, settings.blocks_per_group)
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
+        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),  # so it pins what will stream
+        pin_memory=ComfyPinner.enabled(),
         fill=fill,
-        pinner=ComfyPinner(),
+        pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
     _guard_against_plain_patchers(model)
@@ -378,6 +458,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings
+    clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     _own_engine(clone)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry

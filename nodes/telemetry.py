@@ -75,6 +75,8 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "streamed_groups": stats["groups"] - stats["resident_groups"],
         "resident_bytes": stats["resident_bytes"],
         "streamed_bytes_per_pass": stats["streamed_bytes_per_pass"],
+        "pinned_bytes": stats["pinned_bytes"],
+        "host_bytes": stats["host_bytes"],
         "bytes_h2d": stats["bytes_h2d"],
         "bytes_d2h": stats["bytes_d2h"],
         "copies_h2d": stats["copies_h2d"],

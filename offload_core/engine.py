@@ -72,10 +72,9 @@ class GroupOffloadHandle:
         qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
         chunks = [blocks[i : i + config.blocks_per_group] for i in range(0, len(blocks), config.blocks_per_group)]
         self.groups: list[ModuleGroup] = []
-        self._pin_failed = False
+        self._pinner = self._choose_pinner(pinner)
         for chunk in chunks:
             group = ModuleGroup(len(self.groups), chunk, qualnames, fill)
-            self._pin(group, pinner)
             self.groups.append(group)
             if progress is not None:
                 progress(len(self.groups), len(chunks))
@@ -107,14 +106,19 @@ class GroupOffloadHandle:
             "streamed_bytes_per_pass": sum(g.nbytes for g in self.groups if not g.resident),
             "slab_bytes": self._slab_bytes * self._slabs_made,
             "host_bytes": sum(g.nbytes for g in self.groups),
-            "pinned": all(g.mirror.pinned for g in self.groups),
+            "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned),
         }
 
     def reset_stats(self) -> None:
         self.ledger = TransferLedger()
 
     def set_resident_bytes(self, budget: int) -> None:
-        """Re-plan which groups stay on the device; takes effect from the next forward."""
+        """Re-plan which groups stay on the device; takes effect from the next forward.
+
+        The streamed groups' mirrors get pinned (as many as the pinner allows: see
+        ``stats()["pinned_bytes"]``); a resident group's mirror is read again only after its device
+        copy is dropped, so it stays pageable and leaves the pinned memory to the streamed ones.
+        """
         if budget < 0:
             raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {budget!r}")
         self.release_device_memory()
@@ -123,6 +127,28 @@ class GroupOffloadHandle:
         streamed = [g.nbytes for g in self.groups if not g.resident]
         self._slab_bytes = max(streamed, default=0)
         self._lookahead = None if self._lookahead is None else self._plan_lookahead()
+        self.pin_streamed()
+
+    def pin_streamed(self) -> int:
+        """Pin every streamed group's mirror the pinner accepts, unpin the resident ones; a refusal
+        does not stop the others. Returns the streamed bytes left in pageable memory."""
+        if self._pinner is None:
+            return 0
+        for group in self.groups:
+            if group.resident:
+                group.mirror.unpin()  # first, so that the streamed ones can have what it held
+        refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not g.pin(self._pinner))
+        if refused:
+            log.info("%.1f MB of streamed groups stay in pageable memory (slower copies): pinning was refused",
+                     refused / 2**20)
+        return refused
+
+    def unpin(self) -> int:
+        """Return every mirror's page-locked memory (the mirrors stay valid); returns the bytes unpinned."""
+        pinned = [g for g in self.groups if g.mirror.pinned]
+        for group in pinned:
+            group.mirror.unpin()
+        return sum(g.nbytes for g in pinned)
 
     def device_bytes_needed(self) -> int:
         """Device memory the offloaded blocks hold while sampling: resident groups, slabs and the patch's own."""
@@ -346,17 +372,17 @@ class GroupOffloadHandle:
     def _resident_buffer(self, group: ModuleGroup) -> torch.Tensor:
         return torch.empty(group.nbytes, dtype=torch.uint8, device=self.config.onload_device)
 
-    def _pin(self, group: ModuleGroup, pinner: Pinner | None) -> None:
-        if not self.config.pin_memory or self._pin_failed:
-            return
+    def _choose_pinner(self, pinner: Pinner | None) -> Pinner | None:
+        """A given pinner decides for itself (it may know a host whose onload device is not CUDA);
+        the default one pins only for a CUDA onload device."""
+        if not self.config.pin_memory:
+            return None
+        if pinner is not None:
+            return pinner
         if not self._cuda:
-            if group.index == 0:
-                log.info("pin_memory ignored: the onload device %s is not a CUDA device", self.config.onload_device)
-            return
-        if not group.pin(pinner or CudaHostRegister()):
-            self._pin_failed = True
-            log.warning("could not pin %.1f MB of host memory; streaming from pageable memory (slower copies)",
-                        group.nbytes / 2**20)
+            log.info("pin_memory ignored: the onload device %s is not a CUDA device", self.config.onload_device)
+            return None
+        return CudaHostRegister()
 
 
 def apply_group_offload(

@@ -20,6 +20,7 @@ from comfy_env import (
     tiny_wan_vae_file,
     use_models_in_process,
 )
+from fake_cudart import FakeCudart, install as install_fake_cudart
 
 
 class _RepositoryIsNotATestPackage:
@@ -71,6 +72,12 @@ def comfy():
     return boot_comfyui_in_process()
 
 
+@pytest.fixture
+def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """ComfyUI pins through a recording stand-in for the CUDA runtime, as on a GPU machine (see fake_cudart)."""
+    return install_fake_cudart(monkeypatch.setattr)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_path() -> Path:
     return tiny_qwen_image_file()
@@ -113,6 +120,9 @@ def full_width_qwen_name(comfy_models: ModelDir, full_width_qwen_path: Path) -> 
 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
-    """A real ComfyUI server (main.py) with this pack, the test nodes and the tiny models."""
-    with ComfyServer(tmp_path_factory.mktemp("comfy_server")) as server:
-        yield server
+    """A real ComfyUI server (main.py) with this pack, the test nodes and the tiny models; it pins
+    through the CUDA-runtime stand-in (``fake_cudart``), as ComfyUI pins on a GPU machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GROUP_OFFLOAD_FAKE_CUDART", "1")  # read by the test nodes inside the server
+        with ComfyServer(tmp_path_factory.mktemp("comfy_server")) as server:
+            yield server

@@ -417,7 +417,8 @@ def test_messages_by_node_id_and_node_removal(browser_page: BrowserPage, comfy_s
     }""", built["workflow"])
     live = {  # mid-run, and the copy-back this pack exists to avoid, for the drawing to show in red
         "node_id": ids["offload"], "final": False, "cpu_only": False, "groups": 40, "resident_groups": 12,
-        "streamed_groups": 28, "resident_bytes": 11.4e9, "streamed_bytes_per_pass": 26.6e9, "bytes_h2d": 186e9,
+        "streamed_groups": 28, "resident_bytes": 11.4e9, "streamed_bytes_per_pass": 26.6e9, "pinned_bytes": 26.6e9,
+        "host_bytes": 38e9, "bytes_h2d": 186e9,
         "bytes_d2h": 1.5e9, "copies_h2d": 196, "onloads": 280, "sync_onloads": 3, "compute_wait_ms": 41.5,
         "hook_us_per_group": 38.0, "steps": 7, "bytes_per_step": 26.6e9, "h2d_gbps": 21.7,
         "step_gbps": [18.2, 21.9, 22.4, 22.1, 21.8, 22.6, 22.3],

@@ -1,5 +1,6 @@
 """Nothing outlives its model: engines and host mirrors go when their model can no longer be reached,
-whatever way that happens, and at once on unload and ``POST /free``."""
+whatever way that happens; their device copies go at once on unload, and everything at once on
+``POST /free`` with ``free_memory``."""
 from __future__ import annotations
 
 import gc
@@ -89,8 +90,9 @@ def node_workflow(name: str, seed: int, **options) -> dict:
 
 def assert_nothing_left(server) -> None:
     counts = live(server)
-    assert counts | {"rss_bytes": 0} == {"engines": 0, "host_mirrors": 0, "host_mirror_bytes": 0,
-                                         "offload_patchers": 0, "diffusion_models": 0, "rss_bytes": 0}
+    assert counts | {"rss_bytes": 0} == {"engines": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "onloaded_groups": 0,
+                                         "registered_bytes": 0, "offload_patchers": 0, "diffusion_models": 0,
+                                         "rss_bytes": 0}
 
 
 def test_engines_live_exactly_as_long_as_their_models(comfy_server):
@@ -132,23 +134,36 @@ def test_a_dropped_offloaded_clone_leaves_no_engine_on_its_plain_parent(comfy_se
     assert_nothing_left(comfy_server)
 
 
-def test_unload_and_free_release_the_engine_at_once(comfy_server):
+def test_unload_gives_the_device_memory_back_and_free_releases_everything(comfy_server):
+    """Unloading (ComfyUI making room, or POST /free with unload_models) frees the device copies at once
+    and keeps the packed, pinned host copy of a model that is still cached, so that loading it again
+    costs only device copies (two models taking turns); POST /free with free_memory drops the cached
+    model, and its engine, host copies and pins go with it at once."""
     name = comfy_server.models.unet_name
     workflow = node_workflow(name, 74)
-    assert live(comfy_server, workflow, samples=["6", 0])["engines"] == 1
-    for flags in ({"unload_models": True}, {"unload_models": True, "free_memory": True}):
-        assert comfy_server.post("/free", flags)[0] == 200
-        # The flags are handled between prompts: poll, with no sampling run in between.
-        counts = _poll(lambda: live(comfy_server, {"1": workflow["1"], "10": workflow["10"]}, model=["10", 0]))
-        assert (counts["engines"], counts["host_mirrors"]) == (0, 0)
-        assert counts["offload_patchers"] == 1, "the offloaded model itself is still there"
+    sampled = live(comfy_server, workflow, samples=["6", 0])
+    assert sampled["engines"] == 1 and sampled["onloaded_groups"] > 0 and sampled["registered_bytes"] > 0
+    offloaded_model_only = {"1": workflow["1"], "10": workflow["10"]}
+
+    assert comfy_server.post("/free", {"unload_models": True})[0] == 200
+    # The flags are handled between prompts: poll, with no sampling run in between.
+    unloaded = _poll(lambda: live(comfy_server, offloaded_model_only, model=["10", 0]),
+                     done=lambda counts: counts["onloaded_groups"] == 0)
+    assert (unloaded["engines"], unloaded["onloaded_groups"]) == (1, 0)
+    assert unloaded["registered_bytes"] == sampled["registered_bytes"], "the pins stay with the cached model"
+
+    assert comfy_server.post("/free", {"unload_models": True, "free_memory": True})[0] == 200
+    freed = _poll(lambda: live(comfy_server, offloaded_model_only, model=["10", 0]),
+                  done=lambda counts: counts["engines"] == 0)
+    assert (freed["engines"], freed["host_mirrors"], freed["registered_bytes"]) == (0, 0, 0)
+    assert freed["offload_patchers"] == 1, "the offloaded model itself is made again"
     assert_nothing_left(comfy_server)
 
 
-def _poll(count, attempts: int = 20) -> dict:
+def _poll(count, done, attempts: int = 20) -> dict:
     for _ in range(attempts):
         counts = count()
-        if counts["engines"] == 0:
+        if done(counts):
             break
         time.sleep(0.1)
     return counts

@@ -22,7 +22,7 @@ from comfy_env import REPO_ROOT, run_node, run_txt2img
 # What web/group_offload.js and web/group_offload_report.js read from a message.
 FRONT_END_FIELDS = {
     "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "resident_bytes",
-    "streamed_bytes_per_pass", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
+    "streamed_bytes_per_pass", "pinned_bytes", "host_bytes", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
     "compute_wait_ms", "hook_us_per_group", "steps", "bytes_per_step", "h2d_gbps", "step_gbps",
 }
 
@@ -107,7 +107,7 @@ def _stats(**overrides) -> dict:
         "bytes_h2d": 6_000_000_000, "bytes_d2h": 0, "copies_h2d": 12, "copies_d2h": 0, "onloads": 12,
         "sync_onloads": 1, "prefetches": 10, "compute_wait_ms": 12.5, "hook_us_per_group": 40.0,
         "hook_seconds": 0.01, "hook_calls": 250, "slab_bytes": 2_000_000_000, "host_bytes": 5_000_000_000,
-        "pinned": True,
+        "pinned_bytes": 3_000_000_000,
     }
     return {**stats, **overrides}
 
@@ -122,6 +122,7 @@ def test_payload_has_the_fields_the_front_end_reads(telemetry):
     assert (payload["groups"], payload["resident_groups"], payload["streamed_groups"]) == (5, 2, 3)
     assert payload["resident_bytes"] == 2_000_000_000
     assert payload["streamed_bytes_per_pass"] == 3_000_000_000
+    assert (payload["pinned_bytes"], payload["host_bytes"]) == (3_000_000_000, 5_000_000_000)
     assert (payload["bytes_h2d"], payload["bytes_d2h"], payload["copies_h2d"]) == (6_000_000_000, 0, 12)
     assert (payload["onloads"], payload["sync_onloads"]) == (12, 1)
     assert payload["compute_wait_ms"] == 12.5 and payload["hook_us_per_group"] == 40.0

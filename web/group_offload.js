@@ -44,7 +44,7 @@ function onTelemetry({ detail }) {
 api.addEventListener(TELEMETRY_EVENT, onTelemetry);
 
 function panelHeight(node) {
-  const lines = 5 + (node.groupOffloadTelemetry?.cpu_only ? LAYOUT.noteLines : 0);
+  const lines = rows(node.groupOffloadTelemetry).length + (node.groupOffloadTelemetry?.cpu_only ? LAYOUT.noteLines : 0);
   return LAYOUT.header + lines * LAYOUT.line + LAYOUT.chart + 2 * LAYOUT.padding;
 }
 
@@ -94,16 +94,23 @@ function wrapText(ctx, text, maxWidth, maxLines) {
 /** Label and value rows: [label, value, color?]. */
 function rows(stats) {
   if (stats == null) {
-    return [["Resident", "–"], ["Streamed", "–"], ["Per step", "–"], ["Host → GPU", "–"], ["GPU → host", "–"]];
+    return [["Resident", "–"], ["Streamed", "–"], ["Pinned", "–"], ["Per step", "–"], ["Host → GPU", "–"], ["GPU → host", "–"]];
   }
   const d2h = stats.bytes_d2h;
   return [
     ["Resident", `${stats.resident_groups} of ${plural(stats.groups, "group")} · ${formatBytes(stats.resident_bytes)}`],
     ["Streamed", `${plural(stats.streamed_groups, "group")} · ${formatBytes(stats.streamed_bytes_per_pass)} a pass`],
+    pinnedRow(stats),
     ["Per step", `${formatBytes(stats.bytes_per_step)} streamed`],
     ["Host → GPU", `${formatRate(stats.h2d_gbps)} · compute wait ${formatMs(stats.compute_wait_ms)}`],
     ["GPU → host", d2h === 0 ? "0 B · nothing copied back" : `${formatBytes(d2h)} copied back`, d2h === 0 ? COLORS.ok : COLORS.bad],
   ];
+}
+
+/** Pinned host memory of the mirrors; short of the streamed bytes, some copies come from pageable memory. */
+function pinnedRow(stats) {
+  const short = !stats.cpu_only && stats.pinned_bytes < stats.streamed_bytes_per_pass;
+  return ["Pinned", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)} host`, short ? COLORS.warn : undefined];
 }
 
 function drawChart(ctx, x, y, width, height, values, colors) {

@@ -58,6 +58,7 @@ function reportRows(stats) {
     ["groups", "Groups", `${stats.groups} (${stats.resident_groups} resident, ${stats.streamed_groups} streamed)`],
     ["resident_bytes", "Resident on the GPU", formatBytes(stats.resident_bytes)],
     ["streamed_bytes_per_pass", "Streamed per pass", formatBytes(stats.streamed_bytes_per_pass)],
+    ["pinned_bytes", "Pinned host memory", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)}`],
     ["bytes_per_step", "Streamed per step", formatBytes(stats.bytes_per_step)],
     ["bytes_h2d", "Host → GPU in all", `${formatBytes(stats.bytes_h2d)} in ${stats.copies_h2d} ${stats.copies_h2d === 1 ? "copy" : "copies"}`],
     ["bytes_d2h", "GPU → host (copy-back)", d2h === 0 ? "0 B" : formatBytes(d2h), d2h === 0 ? "group-offload-report--ok" : "group-offload-report--bad"],

@@ -2,7 +2,8 @@
 
 Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
-7B Qwen text encoder.
+7B Qwen text encoder. With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
+the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``.
 """
 import gc
 import os
@@ -16,6 +17,20 @@ if _TESTS_DIR not in sys.path:
 from comfy_env import make_test_conditioning, widen_qwen_detection  # noqa: E402
 
 widen_qwen_detection()
+
+_fake_cudart = None  # the CUDA-runtime stand-in, when the server runs with it
+if os.environ.get("GROUP_OFFLOAD_FAKE_CUDART") == "1":
+    import comfy.model_management
+    from aiohttp import web
+    from fake_cudart import install
+    from server import PromptServer
+
+    _fake_cudart = install()
+
+    @PromptServer.instance.routes.get("/group_offload_test/pins")
+    async def _pins(request):
+        return web.json_response({"registered_bytes": _fake_cudart.registered_bytes,
+                                  "total_pinned": comfy.model_management.TOTAL_PINNED_MEMORY})
 
 
 class GroupOffloadTestConditioning:
@@ -46,11 +61,13 @@ def live_objects() -> dict[str, int]:
     import comfy.model_base
 
     gc.collect()
-    counts = {"engines": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "offload_patchers": 0, "diffusion_models": 0}
+    counts = {"engines": 0, "onloaded_groups": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "offload_patchers": 0,
+              "diffusion_models": 0}
     for obj in gc.get_objects():
         kind = type(obj).__name__
         if kind == "GroupOffloadHandle":
             counts["engines"] += 1
+            counts["onloaded_groups"] += sum(group.onloaded for group in obj.groups)
         elif kind == "HostMirror":
             counts["host_mirrors"] += 1
             counts["host_mirror_bytes"] += obj.nbytes
@@ -58,6 +75,7 @@ def live_objects() -> dict[str, int]:
             counts["offload_patchers"] += 1
         elif isinstance(obj, comfy.model_base.BaseModel):
             counts["diffusion_models"] += 1
+    counts["registered_bytes"] = _fake_cudart.registered_bytes if _fake_cudart is not None else 0
     with open("/proc/self/statm") as statm:
         counts["rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return counts

@@ -1,0 +1,388 @@
+"""Pinning through ComfyUI's own pin_memory (under a CUDA-runtime stand-in), its accounting, and the
+engine's life across unloads: two offloaded models taking turns, another device, the VRAM flags."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import pytest
+import torch
+
+import comfy_env
+from comfy_env import make_test_conditioning, run_node, run_txt2img
+from test_nodes import engine, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
+
+SECOND_MODEL = "tiny_qwen_image_4_blocks_second.safetensors"
+
+
+def pins(handle) -> list[int]:
+    """Sizes of the mirrors the engine holds pinned, in group order."""
+    return [g.nbytes for g in handle.groups if g.mirror.pinned]
+
+
+def streamed(handle) -> list[int]:
+    return [g.nbytes for g in handle.groups if not g.resident]
+
+
+# --- the engine's pinning policy, on its own ------------------------------------------------
+
+class RecordingPinner:
+    """A Pinner that refuses the calls whose (1-based) numbers are given."""
+
+    def __init__(self, refuse_calls: set[int]) -> None:
+        self.refuse_calls, self.calls, self.pinned = refuse_calls, 0, set()
+
+    def pin(self, buffer: torch.Tensor) -> bool:
+        self.calls += 1
+        if self.calls in self.refuse_calls:
+            return False
+        self.pinned.add(buffer.data_ptr())
+        return True
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        self.pinned.remove(buffer.data_ptr())
+
+
+def test_the_engine_pins_streamed_groups_past_a_refusal_and_unpins_resident_ones():
+    from offload_core import apply_group_offload
+
+    blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+    pinner = RecordingPinner(refuse_calls={1})
+    handle = apply_group_offload(blocks, list(blocks), "cpu", pinner=pinner)  # every group streams
+    assert pinner.calls == 4 and len(pinner.pinned) == 3, "the first refusal stops nothing"
+    group = handle.groups[0].nbytes
+    assert handle.stats()["pinned_bytes"] == 3 * group
+    handle.set_resident_bytes(group)  # one group resident: its mirror is not needed pinned
+    assert [g.index for g in handle.groups if g.resident] == [1]
+    assert pinner.pinned == {g.mirror.buffer.data_ptr() for g in handle.groups if not g.resident}
+    assert pinner.calls == 5, "the refused group, still streamed, is tried again"
+    assert handle.unpin() == 3 * group and not pinner.pinned
+    handle.remove()
+
+
+# --- pinning under each residency mode ----------------------------------------------------------
+
+@pytest.mark.parametrize("options, streamed_groups", [
+    ({"residency": "stream_all"}, 4),
+    ({"residency": "budget", "resident_gb": 0.0006}, 3),  # one of the four 0.6 MB groups resident
+    ({"residency": "auto"}, 0),  # ComfyUI on the CPU has room for everything
+])
+@pytest.mark.parametrize("via", ["node", "loader"])
+def test_the_streamed_groups_are_pinned_through_comfyui(models, fake_cudart, via, options, streamed_groups):
+    import comfy.model_management as mm
+
+    expected = run_txt2img(load_plain(), seed=11).latent
+    if via == "node":
+        model = offload(load_plain(), **options)
+    else:
+        model = load_offloaded(**options)
+    assert torch.equal(run_txt2img(model, seed=11).latent, expected)
+    handle = engine(model)
+    stats = handle.stats()
+    assert len(streamed(handle)) == streamed_groups
+    assert pins(handle) == streamed(handle), "exactly the streamed groups are pinned"
+    assert sorted(fake_cudart.registered.values()) == sorted(streamed(handle)), "each mirror registered in place, at its size"
+    assert stats["pinned_bytes"] == fake_cudart.registered_bytes == mm.TOTAL_PINNED_MEMORY == model.pinned_memory_size()
+    assert {ptr for ptr in fake_cudart.registered} == {g.mirror.buffer.data_ptr() for g in handle.groups if g.mirror.pinned}
+
+
+def test_a_second_run_pins_nothing_again(models, fake_cudart):
+    model = offload(load_plain(), residency="stream_all")
+    run_txt2img(model, seed=12)
+    calls = len(fake_cudart.calls)
+    run_txt2img(model, seed=13)
+    assert len(fake_cudart.calls) == calls
+
+
+def test_a_refused_pin_does_not_stop_the_others_and_is_reported(models, monkeypatch, caplog):
+    import comfy.model_management as mm
+    from fake_cudart import install
+
+    expected = run_txt2img(load_plain(), seed=14).latent
+    probe = offload(load_plain(), residency="stream_all")
+    run_txt2img(probe, seed=14)
+    group_bytes = engine(probe).groups[0].nbytes
+    limit = int(2.5 * group_bytes)  # 0.3.75 refuses past its limit; newest lets the driver refuse
+    fake = install(monkeypatch.setattr, comfy_pin_limit=limit, driver_limit=limit)
+    model = offload(load_plain(), residency="stream_all")
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(run_txt2img(model, seed=14).latent, expected)
+    handle = engine(model)
+    assert pins(handle) == [group_bytes] * 2 and fake.registered_bytes == 2 * group_bytes
+    assert handle.stats()["pinned_bytes"] == 2 * group_bytes
+    warning = next(r.getMessage() for r in caplog.records if "pinned-memory limit" in r.getMessage())
+    assert "2 of 4 streamed groups are pinned" in warning and f"limit is {limit / 1e6:.1f} MB" in warning
+    assert "fp8" in warning
+    assert mm.TOTAL_PINNED_MEMORY == 2 * group_bytes
+
+
+# --- what releases the pins -----------------------------------------------------------------
+
+def test_unloading_keeps_the_pins_and_gives_the_device_memory_back(models, fake_cudart):
+    import comfy.model_management as mm
+
+    model = offload(load_plain(), residency="stream_all")
+    expected = run_txt2img(model, seed=15).latent
+    handle = engine(model)
+    buffers = [g.mirror.buffer.data_ptr() for g in handle.groups]
+    mm.unload_all_models()
+    assert engine(model) is handle and not any(g.onloaded for g in handle.groups)
+    assert fake_cudart.registered_bytes == sum(streamed(handle)), "pins kept: loading again costs only device copies"
+    registrations = len(fake_cudart.sizes("register"))
+    assert torch.equal(run_txt2img(model, seed=15).latent, expected)
+    assert len(fake_cudart.sizes("register")) == registrations and not fake_cudart.sizes("unregister")
+    assert [g.mirror.buffer.data_ptr() for g in engine(model).groups] == buffers
+
+
+def test_releasing_ram_unpins_and_the_next_load_pins_again(models, fake_cudart):
+    import comfy.model_management as mm
+
+    model = offload(load_plain(), residency="stream_all")
+    run_txt2img(model, seed=16)
+    pinned = fake_cudart.registered_bytes
+    assert model.partially_unload_ram(1 << 40) == pinned > 0
+    assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY == model.pinned_memory_size()
+    mm.unload_all_models()
+    run_txt2img(model, seed=16)
+    assert fake_cudart.registered_bytes == pinned
+
+
+def test_a_plain_patcher_taking_over_leaves_nothing_registered(models, fake_cudart):
+    import comfy.model_management as mm
+
+    plain = load_plain()
+    offloaded = offload(plain, residency="stream_all")
+    run_txt2img(offloaded, seed=17)
+    assert fake_cudart.registered_bytes > 0
+    run_txt2img(plain, seed=17)
+    assert engine(plain) is None
+    assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY
+    assert len(fake_cudart.sizes("register")) == len(fake_cudart.sizes("unregister")) == 4
+
+
+def test_new_settings_repin_only_what_streams_then(models, fake_cudart):
+    once = offload(load_plain(), residency="stream_all")
+    run_txt2img(once, seed=18)
+    twice = offload(once, residency="budget", resident_gb=0.0012, blocks_per_group=2)
+    run_txt2img(twice, seed=18)
+    assert sorted(fake_cudart.registered.values()) == sorted(streamed(engine(twice))) == sorted(pins(engine(twice)))
+
+
+def test_a_dropped_model_leaves_nothing_registered(models, fake_cudart):
+    import comfy.model_management as mm
+
+    model = offload(load_plain(), residency="stream_all")
+    run_txt2img(model, seed=19)
+    assert fake_cudart.registered_bytes > 0
+    mm.unload_all_models()
+    del model
+    gc.collect()
+    assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY
+
+
+def test_post_free_releases_the_pins_of_a_served_model(tmp_path, monkeypatch):
+    """The UI's "Free model and node cache": POST /free unloads every model and drops the cached outputs."""
+    monkeypatch.setenv("GROUP_OFFLOAD_FAKE_CUDART", "1")  # the test nodes install the stand-in in the server
+    offload_options = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+    with comfy_env.ComfyServer(tmp_path) as server:
+        server.run(comfy_env.txt2img_workflow(server.models.unet_name, model_patch=("GroupOffload", offload_options)))
+        pins_now = server.get("/group_offload_test/pins")
+        assert pins_now["registered_bytes"] == pins_now["total_pinned"] > 0
+        assert server.post("/free", {"unload_models": True, "free_memory": True})[0] == 200
+        deadline = time.monotonic() + 10
+        while server.get("/group_offload_test/pins")["registered_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.get("/group_offload_test/pins") == {"registered_bytes": 0, "total_pinned": 0}
+
+
+# --- two offloaded models taking turns (Wan 2.2's experts) ----------------------------------
+
+@pytest.fixture(scope="module")
+def second_model(models):
+    target = models.models_dir / "diffusion_models" / SECOND_MODEL
+    if not target.exists():
+        target.symlink_to(comfy_env.tiny_qwen_image_file(num_layers=4, seed=1))
+    return SECOND_MODEL
+
+
+def two_expert_run(high, low, steps: int = 4, switch=lambda: None) -> torch.Tensor:
+    """Two KSamplerAdvanced splitting the steps, the way Wan 2.2 workflows run their experts;
+    ``switch`` runs before each sampler (what a GPU's load_models_gpu does when the next needs the room)."""
+    positive, negative = make_test_conditioning(1), make_test_conditioning(2)
+    common = {"noise_seed": 21, "steps": steps, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple",
+              "positive": positive, "negative": negative}
+    with torch.inference_mode():
+        (latent,) = run_node("EmptySD3LatentImage", width=64, height=64, batch_size=1).outputs
+        switch()
+        (latent,) = run_node("KSamplerAdvanced", model=high, add_noise="enable", latent_image=latent, start_at_step=0,
+                             end_at_step=steps // 2, return_with_leftover_noise="enable", **common).outputs
+        switch()
+        (latent,) = run_node("KSamplerAdvanced", model=low, add_noise="disable", latent_image=latent,
+                             start_at_step=steps // 2, end_at_step=steps, return_with_leftover_noise="disable",
+                             **common).outputs
+    return latent["samples"]
+
+
+def unload_everything() -> None:
+    import comfy.model_management as mm
+
+    mm.free_memory(1e30, torch.device("cpu"))
+
+
+def host_storage_bytes(*patchers) -> int:
+    """Host memory the diffusion models' tensors occupy, each storage counted once."""
+    storages = {}
+    for patcher in patchers:
+        for tensor in (*patcher.model.diffusion_model.parameters(), *patcher.model.diffusion_model.buffers()):
+            storage = tensor.untyped_storage()
+            if storage.device.type == "cpu":
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_two_offloaded_models_take_turns_with_device_copies_only(models, second_model, fake_cudart):
+    high_plain, low_plain = load_plain(), run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0]
+    expected = two_expert_run(high_plain, low_plain)
+    high = offload(load_plain(), residency="stream_all")
+    low = offload(run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0], residency="stream_all")
+    assert torch.equal(two_expert_run(high, low, switch=unload_everything), expected)
+    handles = engine(high), engine(low)
+    buffers = [g.mirror.buffer.data_ptr() for h in handles for g in h.groups]
+    registrations = len(fake_cudart.sizes("register"))
+    assert registrations == 8 and fake_cudart.registered_bytes == sum(h.stats()["host_bytes"] for h in handles)
+    host_one, host_two = host_storage_bytes(high), host_storage_bytes(high, low)
+    for _ in range(2):  # two more prompts: every sampler finds the other model unloaded
+        assert torch.equal(two_expert_run(high, low, switch=unload_everything), expected)
+    assert (engine(high), engine(low)) == handles, "no engine rebuilt"
+    assert [g.mirror.buffer.data_ptr() for h in handles for g in h.groups] == buffers, "nothing re-packed"
+    assert len(fake_cudart.sizes("register")) == registrations and not fake_cudart.sizes("unregister"), "nothing re-pinned"
+    assert host_storage_bytes(high, low) == host_two and host_storage_bytes(high) == host_one
+    assert host_two == host_one + host_storage_bytes(low), "host memory holds each model once"
+
+
+def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(models, second_model, monkeypatch):
+    import comfy.model_management as mm
+    from fake_cudart import install
+
+    high_plain, low_plain = load_plain(), run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0]
+    expected = two_expert_run(high_plain, low_plain)
+    group = offload(load_plain()).engine(torch.device("cpu")).groups[0].nbytes
+    limit = int(5.5 * group)  # room for one model's four groups, not for both
+    fake = install(monkeypatch.setattr, comfy_pin_limit=limit, driver_limit=limit)
+    high = offload(load_plain(), residency="stream_all")
+    low = offload(run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0], residency="stream_all")
+    pinned_groups = []  # (high's, low's) at each switch, before the next sampler loads its model
+
+    def switch() -> None:
+        unload_everything()
+        pinned_groups.append(tuple(len(pins(engine(m))) if engine(m) else 0 for m in (high, low)))
+
+    for _ in range(2):
+        assert torch.equal(two_expert_run(high, low, switch=switch), expected)
+        assert fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
+    assert pinned_groups == [(0, 0), (4, 0), (0, 4), (4, 0)], "each model, while it ran, held all its pins"
+    assert len(pins(engine(low))) == 4 and not pins(engine(high))
+
+
+# --- another device, and the VRAM flags -----------------------------------------------------
+# The meta device stands in for a GPU: ComfyUI's memory code runs as for one, with its free and
+# total memory given (the CUDA runtime's figures), and nothing is computed on it.
+
+GPU = torch.device("meta")
+
+
+def give_device_memory(monkeypatch: pytest.MonkeyPatch, free: int, total: int = 24 * 2**30) -> None:
+    import comfy.model_management as mm
+
+    real_free, real_total = mm.get_free_memory, mm.get_total_memory
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        if dev is None or dev.type != GPU.type:
+            return real_free(dev, torch_free_too)
+        return (free, free) if torch_free_too else free
+
+    def get_total_memory(dev=None, torch_total_too=False):
+        if dev is None or dev.type != GPU.type:
+            return real_total(dev, torch_total_too)
+        return (total, total) if torch_total_too else total
+
+    monkeypatch.setattr(mm, "get_free_memory", get_free_memory)
+    monkeypatch.setattr(mm, "get_total_memory", get_total_memory)
+
+
+def test_loading_on_another_device_rebuilds_the_engine_on_the_same_host_buffers(models, monkeypatch):
+    give_device_memory(monkeypatch, free=1 << 40)
+    model = offload(load_plain(), residency="stream_all")
+    model.load(torch.device("cpu"), lowvram_model_memory=1 << 40, full_load=True)
+    first = engine(model)
+    buffers = [g.mirror.buffer.data_ptr() for g in first.groups]
+    model.load(GPU, lowvram_model_memory=1 << 40, full_load=True)  # as cuda:1 after cuda:0
+    second = engine(model)
+    assert second is not first and second.config.onload_device == GPU
+    assert [g.mirror.buffer.data_ptr() for g in second.groups] == buffers, "the packed host buffers are adopted"
+    second.release_device_memory()
+
+
+# --- the VRAM flags -------------------------------------------------------------------------
+
+FLAGS = {  # flag -> what it sets in comfy.model_management
+    "normal": {},
+    "--lowvram": {"vram_state": "LOW_VRAM", "lowvram_available": True},
+    "--novram": {"vram_state": "NO_VRAM"},
+    "--highvram": {"vram_state": "HIGH_VRAM"},
+    "--gpu-only": {"vram_state": "HIGH_VRAM"},
+    "--reserve-vram 2": {"EXTRA_RESERVED_VRAM": 2 * 2**30},
+}
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+@pytest.mark.parametrize("free_groups", [1.5, 3.5])
+def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, monkeypatch, flag, free_groups):
+    """ComfyUI's real load_models_gpu decides the budget under each flag; the resident groups must
+    fit what is really free, and the blocks never land on the device whole."""
+    import comfy.model_management as mm
+
+    plain = load_plain()
+    if FLAGS[flag].get("vram_state") == "HIGH_VRAM":
+        plain.offload_device = GPU  # ComfyUI's unet_offload_device() under these flags
+    model = offload(plain, residency="auto", prefetch=1)
+    model.load_device = GPU
+    for name, value in FLAGS[flag].items():
+        monkeypatch.setattr(mm, name, getattr(mm.VRAMState, value) if name == "vram_state" else value)
+    give_device_memory(monkeypatch, free=0)
+    group = model.engine(GPU).groups[0].nbytes
+    other = mm.module_size(model.model) - raw_block_bytes(model)
+    free = mm.minimum_inference_memory() + other + 2 * group + int(free_groups * group)  # beside the 2 slabs
+    give_device_memory(monkeypatch, free)
+    handle = model.engine(GPU)
+    monkeypatch.setattr(handle, "onload_resident", lambda: None)  # a meta tensor cannot back a CPU Parameter
+    try:
+        mm.load_models_gpu([model])
+        stats = handle.stats()
+        assert stats["resident_groups"] == (0 if flag == "--novram" else int(free_groups))
+        assert stats["resident_bytes"] + 2 * group <= free - mm.minimum_inference_memory() - other
+        assert engine(model) is handle
+        assert all(g.mirror.buffer.device.type == "cpu" for g in handle.groups), "host mirrors stay on the CPU"
+        assert all(p.device.type == "cpu" for p in model.model.diffusion_model.transformer_blocks.parameters()), \
+            "ComfyUI's own load does not move the blocks"
+        assert model.offload_device == torch.device("cpu")
+    finally:  # its other weights are on the meta device now: forget it rather than unload it
+        mm.current_loaded_models[:] = [m for m in mm.current_loaded_models if m.model is not model]
+
+
+def test_pins_are_counted_once(models, fake_cudart, monkeypatch):
+    """Newest ComfyUI makes room for ``model_size()`` more pinned bytes at every load (0.3.75 only
+    for device memory): the streamed groups, already pinned, must not be in it."""
+    import comfy.model_management as mm
+
+    group = offload(load_plain(), residency="auto").engine(torch.device("cpu")).groups[0].nbytes  # all resident
+    model = offload(load_plain(), residency="auto", prefetch=1)
+    model.load_device = GPU
+    other = mm.module_size(model.model) - raw_block_bytes(model)
+    give_device_memory(monkeypatch, free=0, total=mm.minimum_inference_memory() + other + 2 * group + int(1.5 * group))
+    handle = model.engine(GPU)  # plans against the device's whole memory: one group resident, three streamed
+    assert pins(handle) == streamed(handle) == [group] * 3
+    assert model.pinned_memory_size() == 3 * group == fake_cudart.registered_bytes
+    assert model.model_size() == other + group + 2 * group, "the rest, one resident group and two slabs"
+    assert model.model_size() + model.pinned_memory_size() == other + handle.stats()["host_bytes"] + 2 * group
