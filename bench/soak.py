@@ -61,7 +61,7 @@ class Run:
                    "resident_gb": rng.choice([0.0, 0.0002, 1.0]) if residency == "budget" else 0.0}
         source, interrupt = rng.choice(["node", "loader"]), rng.random() < 0.1
         return cls(source, rng.choice(SEEDS), rng.choice(LORA_STRENGTHS), options,
-                   steps=12 if interrupt else 2,  # long enough for the interrupt to land mid-run
+                   steps=400 if interrupt else 2,  # long enough for the interrupt to land mid-run
                    bypass=source == "node" and rng.random() < 0.15, interrupt=interrupt, free_after=rng.random() < 0.1)
 
 
@@ -127,7 +127,8 @@ class Soak:
         self.prompts += 1
         prompt_id = self.server.queue(workflow(self.server.models.unet_name, run, f"soak_{self.prompts}", count_live))
         if run.interrupt:
-            time.sleep(self.rng.uniform(0.05, 0.3))
+            self._wait_until_running(prompt_id)
+            time.sleep(self.rng.uniform(0.0, 0.1))
             self.server.post("/interrupt", {})
         entry = self.server.wait(prompt_id, check=not run.interrupt)
         if entry["status"]["status_str"] != "success":
@@ -135,6 +136,14 @@ class Soak:
         (saved,) = entry["outputs"]["7"]["latents"]
         path = self.server.output_dir / saved["subfolder"] / saved["filename"]
         return load_file(str(path))["latent_tensor"], entry["outputs"][LIVE]["live"][0] if count_live else {}
+
+    def _wait_until_running(self, prompt_id: str, timeout: float = 60.0) -> None:
+        """An interrupt sent before the prompt starts would be lost (ComfyUI clears the flag at start)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(item[1] == prompt_id for item in self.server.get("/queue")["queue_running"]):
+                return
+            time.sleep(0.01)
 
     def reference(self, run: Run) -> torch.Tensor:
         key = (run.seed, run.lora, run.steps)

@@ -190,7 +190,7 @@ def test_post_free_releases_the_pins_of_a_served_model(tmp_path, monkeypatch):
         pins_now = server.get("/group_offload_test/pins")
         assert pins_now["registered_bytes"] == pins_now["total_pinned"] > 0
         assert server.post("/free", {"unload_models": True, "free_memory": True})[0] == 200
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # the flags are handled between prompts; the host may be busy
         while server.get("/group_offload_test/pins")["registered_bytes"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert server.get("/group_offload_test/pins") == {"registered_bytes": 0, "total_pinned": 0}
