@@ -34,7 +34,7 @@ from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
 
 from ..offload_core import (GroupOffloadHandle, apply_group_offload, check_offloadable, device_footprint, handle_of,
                             plan_residency)
-from .blocks import block_list_names, find_blocks
+from .blocks import block_list_owners, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
 
@@ -58,15 +58,14 @@ class ComfyPinner:
 @contextlib.contextmanager
 def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
     """Take the block lists out of the module tree, so ComfyUI's loader sees only the rest."""
-    names = block_list_names(diffusion_model)
-    saved = {name: getattr(diffusion_model, name) for name in names}
+    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in block_list_owners(diffusion_model)]
     try:
-        for name in names:
-            setattr(diffusion_model, name, nn.ModuleList())
+        for owner, attribute, _ in saved:
+            setattr(owner, attribute, nn.ModuleList())
         yield
     finally:
-        for name, blocks in saved.items():
-            setattr(diffusion_model, name, blocks)
+        for owner, attribute, blocks in saved:
+            setattr(owner, attribute, blocks)
 
 
 def _module_bytes(modules: list[nn.Module]) -> int:

@@ -1,0 +1,178 @@
+"""The block finder on the diffusion models ComfyUI ships, built tiny on the CPU from ComfyUI's own classes.
+
+Each model is built the way ComfyUI builds a loaded checkpoint (its ``supported_models`` config, then
+``get_model``), wrapped in a real ModelPatcher and run through ``BaseModel.apply_model``: once plain,
+with the order of the block calls recorded, then through the Group Offload node.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+from comfy_env import run_node
+from pack_modules import pack_module
+
+OFFLOAD = {"blocks_per_group": 2, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+
+
+def noise(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def text(tokens: int = 5, width: int = 32) -> torch.Tensor:
+    return noise(1, tokens, width, seed=1)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A ``comfy.supported_models`` config with a tiny ``unet_config``, and what ``apply_model`` takes."""
+
+    config: str
+    unet_config: dict
+    latent: tuple[int, ...]
+    conds: Callable[[], dict] = field(default=lambda: {"c_crossattn": text()})
+
+
+FLUX_LIKE = dict(hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12])
+WAN = dict(image_model="wan2.1", model_type="t2v", dim=64, ffn_dim=128, num_heads=2, num_layers=3, text_dim=32,
+           freq_dim=256, patch_size=(1, 2, 2), window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+
+MODELS = {
+    "flux": TinyModel("Flux", dict(
+        image_model="flux", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=True, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([3.5])}),
+    "flux2": TinyModel("Flux2", dict(
+        image_model="flux2", in_channels=8, out_channels=8, vec_in_dim=None, context_in_dim=32, theta=2000,
+        patch_size=1, qkv_bias=False, guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False,
+        default_ref_method="index", ref_index_scale=10.0, **{**FLUX_LIKE, "axes_dim": [8, 8, 8, 8]}),
+        (1, 8, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([3.5])}),
+    "chroma": TinyModel("Chroma", dict(
+        image_model="chroma", in_channels=16, out_channels=16, context_in_dim=32, theta=10000, patch_size=2,
+        qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])}),
+    "hunyuan_video": TinyModel("HunyuanVideo", dict(
+        image_model="hunyuan_video", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=256,
+        patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None, **FLUX_LIKE),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([6.0])}),
+    "wan21": TinyModel("WAN21_T2V", dict(WAN, in_dim=4, out_dim=4), (1, 4, 2, 8, 8)),
+    "wan22_5b": TinyModel("WAN22_T2V", dict(WAN, in_dim=48, out_dim=48), (1, 48, 2, 8, 8)),
+    "sd3": TinyModel("SD3", dict(
+        in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
+        context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
+        num_patches=64, pos_embed_max_size=8, pos_embed_scaling_factor=None, x_block_self_attn_layers=[]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 32, seed=2)}),
+    "auraflow": TinyModel("AuraFlow", dict(
+        in_channels=4, out_channels=4, patch_size=2, dim=64, n_layers=5, n_double_layers=2, n_heads=2,
+        global_conddim=64, cond_seq_dim=32, max_seq=64), (1, 4, 8, 8)),
+    "lumina2": TinyModel("Lumina2", dict(
+        image_model="lumina2", patch_size=2, in_channels=4, dim=64, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=32, axes_dims=[8, 12, 12],
+        axes_lens=[64, 64, 64]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "qwen_image": TinyModel("QwenImage", dict(
+        image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
+    "hidream": TinyModel("HiDream", dict(
+        image_model="hidream", patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=3,
+        attention_head_dim=32, num_attention_heads=2, caption_channels=[32, 24], text_emb_dim=16,
+        num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[16, 8, 8], max_resolution=[16, 16],
+        llama_layers=[0, 1, 1, 1, 1]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
+                               "encoder_hidden_states_llama3": noise(1, 2, 5, 24, seed=3)}),
+    "cosmos_predict2": TinyModel("CosmosT2IPredict2", dict(
+        image_model="cosmos_predict2", max_img_h=64, max_img_w=64, max_frames=8, in_channels=4, out_channels=4,
+        patch_spatial=2, patch_temporal=1, concat_padding_mask=True, model_channels=64, num_blocks=3, num_heads=2,
+        crossattn_emb_channels=32, pos_emb_cls="rope3d", pos_emb_learnable=True, pos_emb_interpolation="crop",
+        use_adaln_lora=True, adaln_lora_dim=16, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+        rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0), (1, 4, 1, 8, 8)),
+    "ltxv": TinyModel("LTXV", dict(
+        image_model="ltxv", in_channels=8, cross_attention_dim=64, attention_head_dim=32, num_attention_heads=2,
+        caption_channels=32, num_layers=3),
+        (1, 8, 2, 4, 4), lambda: {"c_crossattn": text(), "attention_mask": torch.ones(1, 5)}),
+    "hunyuan_dit": TinyModel("HunyuanDiT", dict(
+        image_model="hydit", input_size=8, patch_size=2, in_channels=4, hidden_size=128, depth=6, num_heads=2,
+        mlp_ratio=2.0, text_states_dim=32, text_states_dim_t5=24, text_len=5, text_len_t5=6),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "text_embedding_mask": torch.ones(1, 5),
+                               "encoder_hidden_states_t5": noise(1, 6, 24, seed=2),
+                               "text_embedding_mask_t5": torch.ones(1, 6)}),
+    "pixart_sigma": TinyModel("PixArtSigma", dict(
+        image_model="pixart_sigma", num_heads=2, patch_size=8, hidden_size=64, in_channels=4, depth=3,
+        caption_channels=32, model_max_length=5, micro_condition=False, input_size=16, pe_interpolation=0.25),
+        (1, 4, 64, 64)),
+}
+
+
+def comfy_version() -> str:
+    import comfyui_version
+
+    return comfyui_version.__version__
+
+
+def build(tiny: TinyModel):
+    """ComfyUI's BaseModel for ``tiny`` with seeded weights, in a plain ModelPatcher."""
+    import comfy.model_management as mm
+    import comfy.supported_models
+    from comfy.model_patcher import ModelPatcher
+
+    config_class = getattr(comfy.supported_models, tiny.config, None)
+    if config_class is None:
+        pytest.skip(f"ComfyUI {comfy_version()} has no {tiny.config} model")
+    model = config_class({**tiny.unet_config, "dtype": torch.float32}).get_model({})
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.diffusion_model.parameters():
+            scale = parameter.shape[1:].numel() ** -0.5 if parameter.dim() > 1 else 0.02
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    return ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+
+
+def denoise(patcher, tiny: TinyModel) -> torch.Tensor:
+    """One ``apply_model`` call of ``patcher``'s model, loaded by ComfyUI as a sampler would load it."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([patcher])
+    with torch.inference_mode():
+        return patcher.model.apply_model(noise(*tiny.latent), torch.tensor([0.6]), **tiny.conds())
+
+
+def first_calls(modules: list[nn.Module], run: Callable[[], torch.Tensor]) -> tuple[list[nn.Module], torch.Tensor]:
+    """The modules in the order of their first call during ``run()``, and its result."""
+    called: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: None if m in called else called.append(m)) for m in modules]
+    try:
+        return called, run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, name):
+    import comfy.model_management as mm
+
+    blocks_module = pack_module("nodes.blocks")
+    tiny = MODELS[name]
+    plain = build(tiny)
+    diffusion_model = plain.model.diffusion_model
+    blocks = blocks_module.find_blocks(diffusion_model)
+    order, expected = first_calls(blocks, lambda: denoise(plain, tiny))
+    assert order == blocks, "find_blocks lists every block in the order of its first call"
+
+    offloaded = run_node("GroupOffload", model=plain, **OFFLOAD).outputs[0]
+    try:
+        assert torch.equal(denoise(offloaded, tiny), expected)
+        stats = pack_module("offload_core").handle_of(blocks[0]).stats()
+        assert stats["groups"] == (len(blocks) + 1) // 2
+        assert stats["sync_onloads"] == stats["groups"], "every group ran through the engine"
+        assert stats["copies_h2d"] == stats["groups"] + 1, "and the last one prefetched the first for the next pass"
+        assert stats["bytes_d2h"] == 0
+    finally:
+        mm.unload_all_models()
+    assert blocks_module.find_blocks(diffusion_model) == blocks, "the same blocks, in the same order, every call"
