@@ -6,7 +6,8 @@ with the order of the block calls recorded, then through the Group Offload node.
 """
 from __future__ import annotations
 
-import logging
+import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,16 @@ class TinyModel:
     unet_config: dict
     latent: tuple[int, ...]
     conds: Callable[[], dict] = field(default=lambda: {"c_crossattn": text()})
+    params: str = ""  # the dataclass of the constructor's arguments, where newer ComfyUI added required ones
+    newer_fields: dict = field(default_factory=dict)  # those fields, given only where ``params`` has them
+
+    def full_config(self) -> dict:
+        config = {**self.unet_config, "dtype": torch.float32}
+        if self.params:
+            module, _, name = self.params.rpartition(".")
+            declared = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+            config.update({k: v for k, v in self.newer_fields.items() if k in declared})
+        return config
 
 
 FLUX_LIKE = dict(hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12])
@@ -46,21 +57,25 @@ MODELS = {
     "flux": TinyModel("Flux", dict(
         image_model="flux", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=10000, patch_size=2,
         qkv_bias=True, guidance_embed=True, **FLUX_LIKE),
-        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([3.5])}),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([3.5])},
+        "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": []}),
     "flux2": TinyModel("Flux2", dict(
         image_model="flux2", in_channels=8, out_channels=8, vec_in_dim=None, context_in_dim=32, theta=2000,
         patch_size=1, qkv_bias=False, guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False,
         default_ref_method="index", ref_index_scale=10.0, **{**FLUX_LIKE, "axes_dim": [8, 8, 8, 8]}),
-        (1, 8, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([3.5])}),
+        (1, 8, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([3.5])},
+        "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": [3]}),
     "chroma": TinyModel("Chroma", dict(
         image_model="chroma", in_channels=16, out_channels=16, context_in_dim=32, theta=10000, patch_size=2,
         qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, **FLUX_LIKE),
-        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])}),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])},
+        "comfy.ldm.chroma.model.ChromaParams", {"txt_ids_dims": [], "vec_in_dim": None}),
     "hunyuan_video": TinyModel("HunyuanVideo", dict(
         image_model="hunyuan_video", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=256,
         patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
         use_cond_type_embedding=False, vision_in_dim=None, **FLUX_LIKE),
-        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([6.0])}),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([6.0])},
+        "comfy.ldm.hunyuan_video.model.HunyuanVideoParams", {"meanflow_sum": False}),
     "wan21": TinyModel("WAN21_T2V", dict(WAN, in_dim=4, out_dim=4), (1, 4, 2, 8, 8)),
     "wan22_5b": TinyModel("WAN22_T2V", dict(WAN, in_dim=48, out_dim=48), (1, 48, 2, 8, 8)),
     "sd3": TinyModel("SD3", dict(
@@ -124,12 +139,13 @@ def build(tiny: TinyModel):
     config_class = getattr(comfy.supported_models, tiny.config, None)
     if config_class is None:
         pytest.skip(f"ComfyUI {comfy_version()} has no {tiny.config} model")
-    model = config_class({**tiny.unet_config, "dtype": torch.float32}).get_model({})
+    model = config_class(tiny.full_config()).get_model({})
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.diffusion_model.parameters():
-            scale = parameter.shape[1:].numel() ** -0.5 if parameter.dim() > 1 else 0.02
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    with torch.no_grad():  # every tensor a checkpoint holds: ComfyUI's ops leave them uninitialised
+        for tensor in model.diffusion_model.state_dict().values():
+            if tensor.is_floating_point():
+                scale = tensor.shape[1:].numel() ** -0.5 if tensor.dim() > 1 else 0.02
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale)
     return ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
 
