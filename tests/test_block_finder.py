@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -192,3 +193,110 @@ def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, nam
     finally:
         mm.unload_all_models()
     assert blocks_module.find_blocks(diffusion_model) == blocks, "the same blocks, in the same order, every call"
+
+
+def test_the_lists_stay_found_while_hidden_for_comfyuis_load(comfy):
+    """Nested lists too: the tiny HunyuanVideo's token refiner keeps its blocks in txt_in.individual_token_refiner."""
+    blocks_module, patcher = pack_module("nodes.blocks"), pack_module("nodes.patcher")
+    diffusion_model = build(MODELS["hunyuan_video"]).model.diffusion_model
+    paths = blocks_module.block_list_paths(diffusion_model)
+    lists = [diffusion_model.get_submodule(path) for path in paths]
+    assert paths[0] == "txt_in.individual_token_refiner.blocks"
+    with patcher._blocks_hidden(diffusion_model):
+        assert all(len(diffusion_model.get_submodule(path)) == 0 for path in paths)
+        assert blocks_module.block_list_paths(diffusion_model) == paths and blocks_module.find_blocks(diffusion_model) == []
+    assert [diffusion_model.get_submodule(path) for path in paths] == lists
+
+
+# Block lists at the real sizes (models built on the meta device from each config's defaults). The
+# small lists beside the trunk (refiners, injectors, embedders) stay out.
+REAL_SIZE = {
+    "SD3": ("joint_blocks",),
+    "AuraFlow": ("double_layers", "single_layers"),
+    "HunyuanDiT": ("blocks",),
+    "LTXV": ("transformer_blocks",),
+    "Lumina2": ("layers",),
+    "WAN21_T2V": ("blocks",),
+    "WAN22_S2V": ("blocks",),
+    "WAN22_Animate": ("blocks",),
+    "Hunyuan3Dv2": ("double_blocks", "single_blocks"),
+    "Hunyuan3Dv2_1": ("blocks",),
+    "ACEStep": ("transformer_blocks",),
+    "Omnigen2": ("layers",),
+    "QwenImage": ("transformer_blocks",),
+    "LTXAV": ("transformer_blocks",),
+    "Kandinsky5": ("visual_transformer_blocks",),
+    "Boogu": ("double_stream_layers", "single_stream_layers"),
+    "HiDreamO1": ("language_model.layers",),
+    "MiniMaxMusic3": ("diffusion_transformer.transformer.layers",),
+    "WAN22_WanDancer": ("blocks",),
+    "PixelDiTT2I": ("patch_blocks",),
+}
+
+
+def meta_model(config: str) -> nn.Module:
+    import comfy.supported_models
+
+    config_class = getattr(comfy.supported_models, config, None)
+    if config_class is None:
+        pytest.skip(f"ComfyUI {comfy_version()} has no {config} model")
+    with torch.device("meta"):
+        return config_class(dict(config_class.unet_config)).get_model({}).diffusion_model
+
+
+@pytest.mark.parametrize("config, paths", REAL_SIZE.items(), ids=list(REAL_SIZE))
+def test_real_size_block_lists(comfy, config, paths):
+    assert pack_module("nodes.blocks").block_list_paths(meta_model(config)) == paths
+
+
+def test_a_unet_is_refused_with_a_clear_message(comfy):
+    import comfy.model_management as mm
+    import comfy.supported_models
+    from comfy.model_patcher import ModelPatcher
+
+    unet_config = {"image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 32, "num_res_blocks": [1, 1],
+                   "channel_mult": [1, 2], "transformer_depth": [1, 1], "transformer_depth_middle": 1,
+                   "transformer_depth_output": [1, 1, 1, 1], "context_dim": 32, "num_heads": 2, "num_head_channels": -1,
+                   "use_checkpoint": False, "use_spatial_transformer": True, "legacy": False, "adm_in_channels": None,
+                   "use_linear_in_transformer": False, "use_temporal_attention": False, "use_temporal_resblock": False}
+    with torch.device("meta"):
+        model = comfy.supported_models.SD15(unet_config).get_model({})
+    patcher = ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    with pytest.raises(ValueError, match="UNetModel has no list of transformer blocks that Group Offload can stream"):
+        run_node("GroupOffload", model=patcher, **OFFLOAD)
+
+
+def stable_cascade_c() -> nn.Module:
+    """Stage C's levels are lists of ResBlock, TimestepBlock and AttnBlock in turn, in a list of levels."""
+    import comfy.supported_models
+
+    config = {"stable_cascade_stage": "c", "c_cond": 32, "c_hidden": [32, 32], "nhead": [2, 2],
+              "blocks": [[2, 2], [2, 2]], "c_clip_text": 32, "c_clip_text_pooled": 32, "c_clip_img": 32}
+    return comfy.supported_models.Stable_Cascade_C(config).get_model({}).diffusion_model  # (meta is slower here)
+
+
+@pytest.mark.parametrize("make", [stable_cascade_c, lambda: nn.Linear(2, 2)], ids=["stable_cascade", "linear"])
+def test_a_model_without_repeated_blocks_is_named(comfy, make):
+    model = make()
+    with pytest.raises(ValueError, match=f"where {type(model).__name__} keeps its blocks: no list of repeated modules"):
+        pack_module("nodes.blocks").find_blocks(model)
+
+
+class TwoListDiT(nn.Module):
+    """Embedders around a double and a single block list, as in Flux."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.double_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.single_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+
+def test_the_rule_used_is_logged_once_per_class(comfy, caplog):
+    blocks_module = pack_module("nodes.blocks")
+    caplog.set_level(logging.INFO, logger=blocks_module.__name__)
+    for _ in range(2):
+        model = TwoListDiT()
+        assert blocks_module.find_blocks(model) == [*model.double_blocks, *model.single_blocks]
+    messages = [r.getMessage() for r in caplog.records if r.name == blocks_module.__name__]
+    assert messages == ["Group Offload: the blocks of TwoListDiT are double_blocks, single_blocks (by the generic rule)"]
