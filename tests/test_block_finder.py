@@ -79,6 +79,16 @@ MODELS = {
         "comfy.ldm.hunyuan_video.model.HunyuanVideoParams", {"meanflow_sum": False}),
     "wan21": TinyModel("WAN21_T2V", dict(WAN, in_dim=4, out_dim=4), (1, 4, 2, 8, 8)),
     "wan22_5b": TinyModel("WAN22_T2V", dict(WAN, in_dim=48, out_dim=48), (1, 48, 2, 8, 8)),
+    "wan21_vace": TinyModel("WAN21_Vace", dict(WAN, model_type="vace", num_layers=4, in_dim=4, out_dim=4,
+                                               vace_layers=2, vace_in_dim=12),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "vace_context": noise(1, 1, 12, 2, 8, 8, seed=2),
+                                  "vace_strength": [1.0]}),
+    "kandinsky5": TinyModel("Kandinsky5", dict(
+        image_model="kandinsky5", in_visual_dim=4, out_visual_dim=4, in_text_dim=32, in_text_dim2=16, time_dim=32,
+        model_dim=64, ff_dim=128, visual_embed_dim=36, patch_size=(1, 2, 2), num_text_blocks=2, num_visual_blocks=3,
+        axes_dims=(8, 12, 12)),
+        (1, 4, 1, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
+                                  "c_concat": noise(1, 5, 1, 8, 8, seed=3)}),
     "sd3": TinyModel("SD3", dict(
         in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
         context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
@@ -280,6 +290,16 @@ def test_a_model_without_repeated_blocks_is_named(comfy, make):
     model = make()
     with pytest.raises(ValueError, match=f"where {type(model).__name__} keeps its blocks: no list of repeated modules"):
         pack_module("nodes.blocks").find_blocks(model)
+
+
+def test_a_same_named_class_without_the_listed_blocks_gets_the_generic_rule(comfy):
+    class NextDiT(nn.Module):  # not Lumina 2's: no ``layers``
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    model = NextDiT()
+    assert pack_module("nodes.blocks").find_blocks(model) == list(model.blocks)
 
 
 class TwoListDiT(nn.Module):
