@@ -23,8 +23,11 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # SD 1.x/2.x/XL, SVD: forward_timestep_embed runs the layers of each input/output block one
     # by one; the blocks' own forward never runs, so a wrapped forward would never load them.
     "UNetModel": (),
-    # Lumina 2 / Z-Image: its refiners run context_refiner first, the reverse of their registration.
+    # Lumina 2 / Z-Image and OmniGen 2: the refiners run context_refiner first, against their
+    # registration (OmniGen 2's ref_image_refiner only with reference images). In real checkpoints
+    # they are below the share anyway; in shallow ones the rule would take them in the wrong order.
     "NextDiT": ("layers",),
+    "OmniGen2Transformer2DModel": ("layers",),
     # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
     "VaceWanModel": ("blocks",),
 }

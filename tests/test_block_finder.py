@@ -89,6 +89,9 @@ MODELS = {
         axes_dims=(8, 12, 12)),
         (1, 4, 1, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
                                   "c_concat": noise(1, 5, 1, 8, 8, seed=3)}),
+    "wan21_i2v": TinyModel("WAN21_I2V", dict(WAN, model_type="i2v", dim=256, ffn_dim=512, num_layers=4, in_dim=9, out_dim=4),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 5, 2, 8, 8, seed=2),
+                                  "clip_fea": noise(1, 9, 1280, seed=3)}),
     "sd3": TinyModel("SD3", dict(
         in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
         context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
@@ -102,6 +105,14 @@ MODELS = {
         n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=32, axes_dims=[8, 12, 12],
         axes_lens=[64, 64, 64]),
         (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "omnigen2": TinyModel("Omnigen2", dict(
+        image_model="omnigen2", patch_size=2, in_channels=4, hidden_size=64, num_layers=3, num_refiner_layers=2,
+        num_attention_heads=2, num_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0, axes_dim_rope=(8, 12, 12),
+        axes_lens=(64, 64, 64), text_feat_dim=32),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "hunyuan3d2": TinyModel("Hunyuan3Dv2", dict(
+        image_model="hunyuan3d2", in_channels=8, context_in_dim=32, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2,
+        depth_single_blocks=3, guidance_embed=False), (1, 8, 16)),
     "qwen_image": TinyModel("QwenImage", dict(
         image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
