@@ -28,6 +28,9 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # they are below the share anyway; in shallow ones the rule would take them in the wrong order.
     "NextDiT": ("layers",),
     "OmniGen2Transformer2DModel": ("layers",),
+    # Krea 2: its text-fusion blocks run before ``blocks`` but are registered after them (small in
+    # real checkpoints too, but not in shallow ones).
+    "SingleStreamDiT": ("blocks",),
     # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
     "VaceWanModel": ("blocks",),
 }

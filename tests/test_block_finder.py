@@ -105,6 +105,21 @@ MODELS = {
     "wan21_i2v": TinyModel("WAN21_I2V", dict(WAN, model_type="i2v", dim=256, ffn_dim=512, num_layers=4, in_dim=9, out_dim=4),
         (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 5, 2, 8, 8, seed=2),
                                   "clip_fea": noise(1, 9, 1280, seed=3)}),
+    "ernie_image": TinyModel("ErnieImage", dict(
+        image_model="ernie", hidden_size=64, num_attention_heads=2, num_layers=3, ffn_hidden_size=128, in_channels=8,
+        out_channels=8, patch_size=1, text_in_dim=32, rope_axes_dim=(8, 12, 12)), (1, 8, 4, 4)),
+    "krea2": TinyModel("Krea2", dict(
+        image_model="krea2", features=64, tdim=32, txtdim=32, heads=2, kvheads=2, multiplier=2, layers=3, patch=2,
+        channels=4, txtlayers=2, txtheads=2, txtkvheads=2),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(width=64)}),  # two text-encoder layers of 32
+    "lens": TinyModel("Lens", dict(
+        image_model="lens", patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, enc_hidden_dim=32, axes_dims_rope=(4, 14, 14), multi_layer_encoder_feature=False),
+        (1, 16, 4, 4)),
+    "cogvideox": TinyModel("CogVideoX_T2V", dict(
+        image_model="cogvideox", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+        time_embed_dim=32, text_embed_dim=32, num_layers=3, sample_width=8, sample_height=8, sample_frames=5,
+        patch_size=2, max_text_seq_length=5, use_rotary_positional_embeddings=True), (1, 4, 2, 8, 8)),
     "sd3": TinyModel("SD3", dict(
         in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
         context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
@@ -265,6 +280,11 @@ REAL_SIZE = {
     "MiniMaxMusic3": ("diffusion_transformer.transformer.layers",),
     "WAN22_WanDancer": ("blocks",),
     "PixelDiTT2I": ("patch_blocks",),
+    "ErnieImage": ("layers",),
+    "Lens": ("transformer_blocks",),
+    "Ideogram4": ("layers",),
+    "CogVideoX_T2V": ("blocks",),
+    "Krea2": ("blocks",),
 }
 
 
