@@ -23,11 +23,12 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # SD 1.x/2.x/XL, SVD: forward_timestep_embed runs the layers of each input/output block one
     # by one; the blocks' own forward never runs, so a wrapped forward would never load them.
     "UNetModel": (),
-    # Lumina 2 / Z-Image and OmniGen 2: the refiners run context_refiner first, against their
-    # registration (OmniGen 2's ref_image_refiner only with reference images). In real checkpoints
-    # they are below the share anyway; in shallow ones the rule would take them in the wrong order.
+    # Lumina 2 / Z-Image, OmniGen 2 and Boogu: the refiners run context_refiner first, against their
+    # registration (ref_image_refiner only with reference images). In real checkpoints they are
+    # below the share anyway; in shallow ones the rule would take them in the wrong order.
     "NextDiT": ("layers",),
     "OmniGen2Transformer2DModel": ("layers",),
+    "BooguTransformer2DModel": ("double_stream_layers", "single_stream_layers"),
     # Krea 2: its text-fusion blocks run before ``blocks`` but are registered after them (small in
     # real checkpoints too, but not in shallow ones).
     "SingleStreamDiT": ("blocks",),

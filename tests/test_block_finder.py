@@ -120,6 +120,18 @@ MODELS = {
         image_model="cogvideox", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
         time_embed_dim=32, text_embed_dim=32, num_layers=3, sample_width=8, sample_height=8, sample_frames=5,
         patch_size=2, max_text_seq_length=5, use_rotary_positional_embeddings=True), (1, 4, 2, 8, 8)),
+    "boogu": TinyModel("Boogu", dict(
+        image_model="boogu", patch_size=2, in_channels=4, hidden_size=64, num_layers=3, num_double_stream_layers=2,
+        num_refiner_layers=2, num_attention_heads=2, num_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0,
+        axes_dim_rope=(8, 12, 12), axes_lens=(64, 64, 64), instruction_feat_dim=32),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "pixeldit": TinyModel("PixelDiTT2I", dict(
+        image_model="pixeldit_t2i", in_channels=3, num_groups=2, hidden_size=64, pixel_hidden_size=8,
+        pixel_attn_hidden_size=32, pixel_num_groups=2, patch_depth=3, pixel_depth=1, patch_size=4, txt_embed_dim=32,
+        txt_max_length=5), (1, 3, 16, 16)),
+    "mage_flow": TinyModel("MageFlow", dict(
+        image_model="mage_flow", in_channels=16, out_channels=16, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 4, 4)),
     "sd3": TinyModel("SD3", dict(
         in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
         context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
