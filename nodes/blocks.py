@@ -1,8 +1,8 @@
 """Where a ComfyUI diffusion model keeps its transformer blocks.
 
-The generic rule: the blocks are the outermost ``nn.ModuleList``s of modules of one class that each
-hold at least a tenth of the model's weights (and together most of them), in the order in which the
-model registers them.  For every DiT that ComfyUI ships, registration order is the order of the
+The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.ModuleDict``s, as Cosmos 1
+has) of modules of one class that each hold at least a tenth of the model's weights (and together
+most of them), in the order in which the model registers them.  For every DiT that ComfyUI ships, registration order is the order of the
 lists' first block calls in a forward (``tests/test_block_finder.py`` checks this by tracing each
 one).  ``_EXCEPTIONS`` holds the classes for which that rule would be wrong.
 """
@@ -59,9 +59,9 @@ def _nbytes(module: nn.Module) -> int:
 
 def _is_block_list(module: nn.Module) -> bool:
     """A non-empty list of modules of one class that can run (containers have no forward of their own)."""
-    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
         return False
-    classes = {type(m) for m in module}
+    classes = {type(m) for m in module.children()}
     return len(classes) == 1 and not issubclass(classes.pop(), (nn.ModuleList, nn.ModuleDict))
 
 
@@ -136,4 +136,5 @@ def block_list_owners(diffusion_model: nn.Module) -> list[tuple[nn.Module, str]]
 
 def find_blocks(diffusion_model: nn.Module) -> list[nn.Module]:
     """Every block of ``diffusion_model``, in execution order."""
-    return [block for path in block_list_paths(diffusion_model) for block in diffusion_model.get_submodule(path)]
+    paths = block_list_paths(diffusion_model)
+    return [block for path in paths for block in diffusion_model.get_submodule(path).children()]

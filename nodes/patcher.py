@@ -60,8 +60,8 @@ def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
     """Take the block lists out of the module tree, so ComfyUI's loader sees only the rest."""
     saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in block_list_owners(diffusion_model)]
     try:
-        for owner, attribute, _ in saved:
-            setattr(owner, attribute, nn.ModuleList())
+        for owner, attribute, blocks in saved:
+            setattr(owner, attribute, type(blocks)())  # empty, of the same kind
         yield
     finally:
         for owner, attribute, blocks in saved:

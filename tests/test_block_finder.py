@@ -163,6 +163,14 @@ MODELS = {
         llama_layers=[0, 1, 1, 1, 1]),
         (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
                                "encoder_hidden_states_llama3": noise(1, 2, 5, 24, seed=3)}),
+    "cosmos1": TinyModel("CosmosT2V", dict(  # its blocks are a ModuleDict
+        image_model="cosmos", max_img_h=64, max_img_w=64, max_frames=8, in_channels=4, out_channels=4,
+        patch_spatial=2, patch_temporal=1, model_channels=64, block_config="FA-CA-MLP", concat_padding_mask=True,
+        pos_emb_cls="rope3d", pos_emb_learnable=False, pos_emb_interpolation="crop", block_x_format="THWBD",
+        affline_emb_norm=True, use_adaln_lora=True, adaln_lora_dim=16, num_blocks=3, num_heads=2,
+        crossattn_emb_channels=32, extra_per_block_abs_pos_emb=True, rope_h_extrapolation_ratio=1.0,
+        rope_w_extrapolation_ratio=1.0, rope_t_extrapolation_ratio=2.0, extra_per_block_abs_pos_emb_type="learnable"),
+        (1, 4, 2, 8, 8)),
     "cosmos_predict2": TinyModel("CosmosT2IPredict2", dict(
         image_model="cosmos_predict2", max_img_h=64, max_img_w=64, max_frames=8, in_channels=4, out_channels=4,
         patch_spatial=2, patch_temporal=1, concat_padding_mask=True, model_channels=64, num_blocks=3, num_heads=2,
