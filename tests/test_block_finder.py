@@ -83,7 +83,8 @@ MODELS = {
         nerf_depth=2, nerf_max_freqs=4, nerf_tile_size=64, nerf_final_head_type="linear",
         nerf_embedder_dtype=torch.float32, **FLUX_LIKE),
         (1, 3, 32, 32), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])},
-        "comfy.ldm.chroma_radiance.model.ChromaRadianceParams", {"txt_ids_dims": [], "vec_in_dim": None}),
+        "comfy.ldm.chroma_radiance.model.ChromaRadianceParams",
+        {"txt_ids_dims": [], "vec_in_dim": None, "use_x0": False, "use_sequential_txt_ids": False}),
     "hunyuan_video15": TinyModel("HunyuanVideo15", dict(
         image_model="hunyuan_video", in_channels=4, out_channels=4, vec_in_dim=None, context_in_dim=32, theta=256,
         patch_size=[1, 1, 1], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
