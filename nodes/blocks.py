@@ -1,10 +1,10 @@
 """Where a ComfyUI diffusion model keeps its transformer blocks.
 
-The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.ModuleDict``s, as Cosmos 1
-has) of modules of one class that each hold at least a tenth of the model's weights (and together
-most of them), in the order in which the model registers them.  For every DiT that ComfyUI ships, registration order is the order of the
-lists' first block calls in a forward (``tests/test_block_finder.py`` checks this by tracing each
-one).  ``_EXCEPTIONS`` holds the classes for which that rule would be wrong.
+The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.ModuleDict``s, as in
+Cosmos 1) of modules of one class that each hold at least a tenth of the model's weights and together
+most of them, in the order in which the model registers them.  For the DiTs ComfyUI ships, that is
+the order of the lists' first block calls in a forward (``tests/test_block_finder.py`` traces each).
+``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "VaceWanModel": ("blocks",),
 }
 
-# For the file loader, which matches a file's keys before any model exists: the list names of the
-# models it reads blocks of straight into the mirrors.
+# Only for the file loader, which matches a file's keys before any model exists: the list names of
+# the models whose blocks it reads straight into the mirrors. The node finds blocks with find_blocks.
 BLOCK_LISTS: dict[str, tuple[str, ...]] = {
     "QwenImageTransformer2DModel": ("transformer_blocks",),
     "Flux": ("double_blocks", "single_blocks"),
@@ -107,7 +107,7 @@ def _find_paths(diffusion_model: nn.Module) -> tuple[tuple[str, ...], str]:
     if not paths:
         raise ValueError(f"{name} has no list of transformer blocks that Group Offload can stream (its blocks "
                          f"never run as whole modules); connect the model to the sampler without Group Offload")
-    return paths, f"the exceptions table entry for {table_name}"
+    return paths, f"the exceptions entry for {table_name}"
 
 
 def block_list_paths(diffusion_model: nn.Module) -> tuple[str, ...]:
