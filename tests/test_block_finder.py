@@ -60,6 +60,10 @@ MODELS = {
         qkv_bias=True, guidance_embed=True, **FLUX_LIKE),
         (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([3.5])},
         "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": []}),
+    "longcat_image": TinyModel("LongCatImage", dict(
+        image_model="flux", in_channels=4, out_channels=4, vec_in_dim=None, context_in_dim=32, theta=10000,
+        patch_size=2, qkv_bias=True, guidance_embed=False, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text()}, "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": [1, 2]}),
     "flux2": TinyModel("Flux2", dict(
         image_model="flux2", in_channels=8, out_channels=8, vec_in_dim=None, context_in_dim=32, theta=2000,
         patch_size=1, qkv_bias=False, guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False,
@@ -154,6 +158,12 @@ MODELS = {
     "hunyuan3d2": TinyModel("Hunyuan3Dv2", dict(
         image_model="hunyuan3d2", in_channels=8, context_in_dim=32, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2,
         depth_single_blocks=3, guidance_embed=False), (1, 8, 16)),
+    "z_image": TinyModel("ZImage", dict(
+        image_model="lumina2", patch_size=2, in_channels=4, dim=256, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=32,
+        axes_dims=[32, 48, 48], axes_lens=[64, 64, 64], z_image_modulation=True, time_scale=1000.0,
+        pad_tokens_multiple=4),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
     "qwen_image": TinyModel("QwenImage", dict(
         image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
