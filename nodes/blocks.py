@@ -2,7 +2,9 @@
 
 The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.ModuleDict``s, as in
 Cosmos 1) of modules of one class that each hold at least a tenth of the model's weights and together
-most of them, in the order in which the model registers them.  For the DiTs ComfyUI ships, that is
+most of them, in the order in which the model registers them.  Lists inside a submodule count only
+where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
+with blocks of its own).  For the DiTs ComfyUI ships, that is
 the order of the lists' first block calls in a forward (``tests/test_block_finder.py`` traces each).
 ``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason.
 """
@@ -29,9 +31,6 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "NextDiT": ("layers",),
     "OmniGen2Transformer2DModel": ("layers",),
     "BooguTransformer2DModel": ("double_stream_layers", "single_stream_layers"),
-    # Krea 2: its text-fusion blocks run before ``blocks`` but are registered after them (small in
-    # real checkpoints too, but not in shallow ones).
-    "SingleStreamDiT": ("blocks",),
     # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
     "VaceWanModel": ("blocks",),
 }
@@ -65,6 +64,12 @@ def _is_block_list(module: nn.Module) -> bool:
     return len(classes) == 1 and not issubclass(classes.pop(), (nn.ModuleList, nn.ModuleDict))
 
 
+def _in_the_trunk(diffusion_model: nn.Module, path: str, total: int) -> bool:
+    """Whether every submodule around ``path`` holds most of the weights."""
+    parts = path.split(".")
+    return all(2 * _nbytes(diffusion_model.get_submodule(".".join(parts[:n]))) > total for n in range(1, len(parts)))
+
+
 def _generic_block_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
     """Paths of the outermost one-class lists holding a tenth or more of the weights, in registration order."""
     total = _nbytes(diffusion_model)
@@ -72,7 +77,7 @@ def _generic_block_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
     for path, module in diffusion_model.named_modules():
         if any(path.startswith(f"{outer}.") for outer in found) or not _is_block_list(module):
             continue
-        if _nbytes(module) >= _MIN_LIST_SHARE * total:
+        if _nbytes(module) >= _MIN_LIST_SHARE * total and _in_the_trunk(diffusion_model, path, total):
             found.append(path)
     held = sum(_nbytes(diffusion_model.get_submodule(path)) for path in found)
     if total == 0 or 2 * held <= total:

@@ -278,17 +278,35 @@ def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, nam
     assert blocks_module.find_blocks(diffusion_model) == blocks, "the same blocks, in the same order, every call"
 
 
-def test_the_lists_stay_found_while_hidden_for_comfyuis_load(comfy):
-    """Nested lists too: the tiny HunyuanVideo's token refiner keeps its blocks in txt_in.individual_token_refiner."""
+class TwoListDiT(nn.Module):
+    """Embedders around a double and a single block list, as in Flux."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.double_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.single_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+
+class WrappedDiT(nn.Module):
+    """The trunk inside a wrapper (as HiDream-O1's language_model), beside an embedder with blocks of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_refiner = nn.Sequential(nn.Linear(8, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2)))
+        self.transformer = TwoListDiT()
+
+
+def test_nested_lists_are_found_and_stay_found_while_hidden_for_comfyuis_load(comfy):
     blocks_module, patcher = pack_module("nodes.blocks"), pack_module("nodes.patcher")
-    diffusion_model = build(MODELS["hunyuan_video"]).model.diffusion_model
-    paths = blocks_module.block_list_paths(diffusion_model)
-    lists = [diffusion_model.get_submodule(path) for path in paths]
-    assert paths[0] == "txt_in.individual_token_refiner.blocks"
-    with patcher._blocks_hidden(diffusion_model):
-        assert all(len(diffusion_model.get_submodule(path)) == 0 for path in paths)
-        assert blocks_module.block_list_paths(diffusion_model) == paths and blocks_module.find_blocks(diffusion_model) == []
-    assert [diffusion_model.get_submodule(path) for path in paths] == lists
+    model = WrappedDiT()
+    paths = blocks_module.block_list_paths(model)
+    assert paths == ("transformer.double_blocks", "transformer.single_blocks")
+    lists = [model.get_submodule(path) for path in paths]
+    with patcher._blocks_hidden(model):
+        assert all(len(model.get_submodule(path)) == 0 for path in paths)
+        assert blocks_module.block_list_paths(model) == paths and blocks_module.find_blocks(model) == []
+    assert [model.get_submodule(path) for path in paths] == lists
 
 
 # Block lists at the real sizes (models built on the meta device from each config's defaults). The
@@ -378,16 +396,6 @@ def test_a_same_named_class_without_the_listed_blocks_gets_the_generic_rule(comf
 
     model = NextDiT()
     assert pack_module("nodes.blocks").find_blocks(model) == list(model.blocks)
-
-
-class TwoListDiT(nn.Module):
-    """Embedders around a double and a single block list, as in Flux."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 8)
-        self.double_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.single_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
 
 
 def test_the_rule_used_is_logged_once_per_class(comfy, caplog):
