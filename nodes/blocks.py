@@ -4,8 +4,8 @@ The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.Modul
 Cosmos 1) of modules of one class that each hold at least a tenth of the model's weights and together
 most of them, in the order in which the model registers them.  Lists inside a submodule count only
 where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
-with blocks of its own).  For the DiTs ComfyUI ships, that is
-the order of the lists' first block calls in a forward (``tests/test_block_finder.py`` traces each).
+with blocks of its own).  For the DiTs ComfyUI ships, registration order is the order of the lists'
+first block calls in a forward (``tests/test_block_finder.py`` traces each).
 ``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason.
 """
 from __future__ import annotations
