@@ -1,9 +1,42 @@
-"""Where each ComfyUI diffusion model keeps its transformer blocks."""
+"""Where a ComfyUI diffusion model keeps its transformer blocks.
+
+The generic rule: the blocks are the outermost ``nn.ModuleList``s (or ``nn.ModuleDict``s, as in
+Cosmos 1) of modules of one class that each hold at least a tenth of the model's weights and together
+most of them, in the order in which the model registers them.  Lists inside a submodule count only
+where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
+with blocks of its own).  For the DiTs ComfyUI ships, registration order is the order of the lists'
+first block calls in a forward (``tests/test_block_finder.py`` traces each).
+``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason.
+"""
 from __future__ import annotations
+
+import logging
+import weakref
 
 from torch import nn
 
-# Diffusion model class (or a base class of it) -> attributes holding its blocks, in execution order.
+log = logging.getLogger(__name__)
+
+_MIN_LIST_SHARE = 0.1  # a list below a tenth of the weights is an embedder or refiner, not the trunk
+
+# Diffusion model class (or a base class of it) -> block lists, in execution order, where the
+# generic rule would be wrong; an empty tuple means: no block list Group Offload can stream.
+_EXCEPTIONS: dict[str, tuple[str, ...]] = {
+    # SD 1.x/2.x/XL, SVD: forward_timestep_embed runs the layers of each input/output block one
+    # by one; the blocks' own forward never runs, so a wrapped forward would never load them.
+    "UNetModel": (),
+    # Lumina 2 / Z-Image, OmniGen 2 and Boogu: the refiners run context_refiner first, against their
+    # registration (ref_image_refiner only with reference images). In real checkpoints they are
+    # below the share anyway; in shallow ones the rule would take them in the wrong order.
+    "NextDiT": ("layers",),
+    "OmniGen2Transformer2DModel": ("layers",),
+    "BooguTransformer2DModel": ("double_stream_layers", "single_stream_layers"),
+    # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
+    "VaceWanModel": ("blocks",),
+}
+
+# Only for the file loader, which matches a file's keys before any model exists: the list names of
+# the models whose blocks it reads straight into the mirrors. The node finds blocks with find_blocks.
 BLOCK_LISTS: dict[str, tuple[str, ...]] = {
     "QwenImageTransformer2DModel": ("transformer_blocks",),
     "Flux": ("double_blocks", "single_blocks"),
@@ -11,21 +44,102 @@ BLOCK_LISTS: dict[str, tuple[str, ...]] = {
     "HunyuanVideo": ("double_blocks", "single_blocks"),
     "WanModel": ("blocks",),
     "MMDiT": ("joint_blocks",),
-    "NextDiT": ("layers",),  # Lumina 2 and Z-Image
+    "NextDiT": ("layers",),
 }
 
+# Found once per model, while its lists are in place: the patcher hides them during ComfyUI's load.
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_LOGGED: set[tuple[str, tuple[str, ...], str]] = set()
 
-def block_list_names(diffusion_model: nn.Module) -> tuple[str, ...]:
-    """The block attributes of ``diffusion_model``; subclasses (e.g. VACE Wan) inherit their base's entry."""
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    """A non-empty list of modules of one class that can run (containers have no forward of their own)."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+        return False
+    classes = {type(m) for m in module.children()}
+    return len(classes) == 1 and not issubclass(classes.pop(), (nn.ModuleList, nn.ModuleDict))
+
+
+def _in_the_trunk(diffusion_model: nn.Module, path: str, total: int) -> bool:
+    """Whether every submodule around ``path`` holds most of the weights."""
+    parts = path.split(".")
+    return all(2 * _nbytes(diffusion_model.get_submodule(".".join(parts[:n]))) > total for n in range(1, len(parts)))
+
+
+def _generic_block_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
+    """Paths of the outermost one-class lists holding a tenth or more of the weights, in registration order."""
+    total = _nbytes(diffusion_model)
+    found: list[str] = []
+    for path, module in diffusion_model.named_modules():
+        if any(path.startswith(f"{outer}.") for outer in found) or not _is_block_list(module):
+            continue
+        if _nbytes(module) >= _MIN_LIST_SHARE * total and _in_the_trunk(diffusion_model, path, total):
+            found.append(path)
+    held = sum(_nbytes(diffusion_model.get_submodule(path)) for path in found)
+    if total == 0 or 2 * held <= total:
+        raise ValueError(f"Group Offload does not know where {type(diffusion_model).__name__} keeps its blocks: "
+                         f"no list of repeated modules holds most of its weights; connect the model to the "
+                         f"sampler without Group Offload")
+    return tuple(found)
+
+
+def _exception_for(diffusion_model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     for cls in type(diffusion_model).__mro__:
-        names = BLOCK_LISTS.get(cls.__name__, ())
-        if names and all(hasattr(diffusion_model, name) for name in names):  # AuraFlow's MMDiT is another one
-            return names
-    known = ", ".join(sorted(BLOCK_LISTS))
-    raise ValueError(f"Group Offload does not know where {type(diffusion_model).__name__} keeps its blocks "
-                     f"(supported: {known})")
+        paths = _EXCEPTIONS.get(cls.__name__)
+        if paths is not None and all(_has_submodule(diffusion_model, path) for path in paths):
+            return cls.__name__, paths
+    return None
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _find_paths(diffusion_model: nn.Module) -> tuple[tuple[str, ...], str]:
+    name = type(diffusion_model).__name__
+    exception = _exception_for(diffusion_model)
+    if exception is None:
+        return _generic_block_lists(diffusion_model), "the generic rule"
+    table_name, paths = exception
+    if not paths:
+        raise ValueError(f"{name} has no list of transformer blocks that Group Offload can stream (its blocks "
+                         f"never run as whole modules); connect the model to the sampler without Group Offload")
+    return paths, f"the exceptions entry for {table_name}"
+
+
+def block_list_paths(diffusion_model: nn.Module) -> tuple[str, ...]:
+    """Dotted paths of the lists holding ``diffusion_model``'s blocks, in execution order.
+
+    Found at the first call and the same for every later one, also while the lists are hidden.
+    """
+    paths = _FOUND.get(diffusion_model)
+    if paths is None:
+        paths, rule = _find_paths(diffusion_model)
+        _FOUND[diffusion_model] = paths
+        if (key := (type(diffusion_model).__name__, paths, rule)) not in _LOGGED:
+            _LOGGED.add(key)
+            log.info("Group Offload: the blocks of %s are %s (by %s)", key[0], ", ".join(paths), rule)
+    return paths
+
+
+def block_list_owners(diffusion_model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(owner, attribute)`` of each block list, e.g. ``(model.transformer, "layers")``."""
+    owners = []
+    for path in block_list_paths(diffusion_model):
+        parent, _, attribute = path.rpartition(".")
+        owners.append((diffusion_model.get_submodule(parent), attribute))
+    return owners
 
 
 def find_blocks(diffusion_model: nn.Module) -> list[nn.Module]:
     """Every block of ``diffusion_model``, in execution order."""
-    return [block for name in block_list_names(diffusion_model) for block in getattr(diffusion_model, name)]
+    paths = block_list_paths(diffusion_model)
+    return [block for path in paths for block in diffusion_model.get_submodule(path).children()]

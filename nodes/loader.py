@@ -22,7 +22,7 @@ import comfy.model_detection
 import comfy.sd
 import comfy.utils
 
-from .blocks import BLOCK_LISTS, block_list_names
+from .blocks import BLOCK_LISTS, block_list_paths
 from .memory import OffloadSettings
 from .patcher import GroupOffloadPatcher, build_engine, make_offloaded
 
@@ -144,8 +144,8 @@ def block_keys(keys: list[str]) -> tuple[str, set[str]]:
 
 def _check_block_keys(path: str, diffusion_model: nn.Module, file_keys: set[str]) -> None:
     """The block tensors of the built model must be the file's block tensors, under the same names."""
-    model_keys = {f"{name}.{key}" for name in block_list_names(diffusion_model)
-                  for key in getattr(diffusion_model, name).state_dict()}
+    model_keys = {f"{path}.{key}" for path in block_list_paths(diffusion_model)
+                  for key in diffusion_model.get_submodule(path).state_dict()}
     if missing := model_keys - file_keys:
         raise ValueError(f"ComfyUI renames the keys of {Path(path).name} when it loads it (the model's {min(missing)} "
                          f"is not in the file), so its blocks cannot be read straight into host memory; use Load "

@@ -41,7 +41,7 @@ from comfy.weight_adapter import WeightAdapterBase
 
 from ..offload_core import (GroupOffloadHandle, apply_group_offload, check_offloadable, device_footprint, handle_of,
                             plan_residency)
-from .blocks import block_list_names, find_blocks
+from .blocks import block_list_owners, block_list_paths, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
 
@@ -102,15 +102,14 @@ def _size(nbytes: float) -> str:
 @contextlib.contextmanager
 def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
     """Take the block lists out of the module tree, so ComfyUI's loader sees only the rest."""
-    names = block_list_names(diffusion_model)
-    saved = {name: getattr(diffusion_model, name) for name in names}
+    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in block_list_owners(diffusion_model)]
     try:
-        for name in names:
-            setattr(diffusion_model, name, nn.ModuleList())
+        for owner, attribute, blocks in saved:
+            setattr(owner, attribute, type(blocks)())  # empty, of the same kind
         yield
     finally:
-        for name, blocks in saved.items():
-            setattr(diffusion_model, name, blocks)
+        for owner, attribute, blocks in saved:
+            setattr(owner, attribute, blocks)
 
 
 def _module_bytes(modules: list[nn.Module]) -> int:
@@ -255,7 +254,7 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def _block_patches(self) -> dict[str, list]:
         """This patcher's weight patches (LoRA...) of block weights; ComfyUI's own load patches the rest."""
-        prefixes = tuple(f"diffusion_model.{name}." for name in block_list_names(self.model.diffusion_model))
+        prefixes = tuple(f"diffusion_model.{path}." for path in block_list_paths(self.model.diffusion_model))
         return {key: patches for key, patches in self.patches.items() if key.startswith(prefixes)}
 
 

@@ -168,12 +168,6 @@ def test_applying_twice_reconfigures(models):
     assert (handle.config.prefetch, len(handle.groups)) == (2, 2)
 
 
-def test_unknown_model_class_is_named():
-    blocks = pack_module("nodes.blocks")
-    with pytest.raises(ValueError, match="Linear keeps its blocks"):
-        blocks.block_list_names(torch.nn.Linear(2, 2))
-
-
 @pytest.mark.parametrize("field, value", [("residency", "sometimes"), ("blocks_per_group", 0),
                                           ("prefetch", -1), ("resident_gb", -1.0)])
 def test_bad_settings_are_refused(models, field, value):
@@ -224,18 +218,6 @@ def test_fixed_plans_ask_comfyui_only_for_what_they_use(models):
     handle = engine(model)
     assert model.model_size() == plain_size - raw_block_bytes(model) + 2 * handle.groups[0].nbytes  # two slabs
     assert model.loaded_size() == model.model_size()
-
-
-def test_a_same_named_class_with_other_block_lists_is_not_mistaken():
-    blocks = pack_module("nodes.blocks")
-
-    class MMDiT(torch.nn.Module):  # AuraFlow's MMDiT keeps double_layers / single_layers
-        def __init__(self):
-            super().__init__()
-            self.double_layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-
-    with pytest.raises(ValueError, match="MMDiT keeps its blocks"):
-        blocks.block_list_names(MMDiT())
 
 
 def test_quantized_blocks_are_refused_in_the_node(models):

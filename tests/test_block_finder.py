@@ -1,0 +1,408 @@
+"""The block finder on the diffusion models ComfyUI ships, built tiny on the CPU from ComfyUI's own classes.
+
+Each model is built the way ComfyUI builds a loaded checkpoint (its ``supported_models`` config, then
+``get_model``), wrapped in a real ModelPatcher and run through ``BaseModel.apply_model``: once plain,
+with the order of the block calls recorded, then through the Group Offload node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+from comfy_env import run_node
+from pack_modules import pack_module
+
+OFFLOAD = {"blocks_per_group": 2, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+
+
+def noise(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def text(tokens: int = 5, width: int = 32) -> torch.Tensor:
+    return noise(1, tokens, width, seed=1)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A ``comfy.supported_models`` config with a tiny ``unet_config``, and what ``apply_model`` takes."""
+
+    config: str
+    unet_config: dict
+    latent: tuple[int, ...]
+    conds: Callable[[], dict] = field(default=lambda: {"c_crossattn": text()})
+    params: str = ""  # the dataclass of the constructor's arguments, where newer ComfyUI added required ones
+    newer_fields: dict = field(default_factory=dict)  # those fields, given only where ``params`` has them
+
+    def full_config(self) -> dict:
+        config = {**self.unet_config, "dtype": torch.float32}
+        if self.params:
+            module, _, name = self.params.rpartition(".")
+            declared = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+            config.update({k: v for k, v in self.newer_fields.items() if k in declared})
+        return config
+
+
+FLUX_LIKE = dict(hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12])
+WAN = dict(image_model="wan2.1", model_type="t2v", dim=64, ffn_dim=128, num_heads=2, num_layers=3, text_dim=32,
+           freq_dim=256, patch_size=(1, 2, 2), window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+
+MODELS = {
+    "flux": TinyModel("Flux", dict(
+        image_model="flux", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=True, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([3.5])},
+        "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": []}),
+    "longcat_image": TinyModel("LongCatImage", dict(
+        image_model="flux", in_channels=4, out_channels=4, vec_in_dim=None, context_in_dim=32, theta=10000,
+        patch_size=2, qkv_bias=True, guidance_embed=False, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text()}, "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": [1, 2]}),
+    "flux2": TinyModel("Flux2", dict(
+        image_model="flux2", in_channels=8, out_channels=8, vec_in_dim=None, context_in_dim=32, theta=2000,
+        patch_size=1, qkv_bias=False, guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False,
+        default_ref_method="index", ref_index_scale=10.0, **{**FLUX_LIKE, "axes_dim": [8, 8, 8, 8]}),
+        (1, 8, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([3.5])},
+        "comfy.ldm.flux.model.FluxParams", {"txt_ids_dims": [3]}),
+    "chroma": TinyModel("Chroma", dict(
+        image_model="chroma", in_channels=16, out_channels=16, context_in_dim=32, theta=10000, patch_size=2,
+        qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, **FLUX_LIKE),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])},
+        "comfy.ldm.chroma.model.ChromaParams", {"txt_ids_dims": [], "vec_in_dim": None}),
+    "hunyuan_video": TinyModel("HunyuanVideo", dict(
+        image_model="hunyuan_video", in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, theta=256,
+        patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None, **FLUX_LIKE),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2), "guidance": torch.tensor([6.0])},
+        "comfy.ldm.hunyuan_video.model.HunyuanVideoParams", {"meanflow_sum": False}),
+    "chroma_radiance": TinyModel("ChromaRadiance", dict(
+        image_model="chroma_radiance", in_channels=3, out_channels=3, context_in_dim=32, theta=10000, patch_size=16,
+        qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, nerf_hidden_size=16, nerf_mlp_ratio=2,
+        nerf_depth=2, nerf_max_freqs=4, nerf_tile_size=64, nerf_final_head_type="linear",
+        nerf_embedder_dtype=torch.float32, **FLUX_LIKE),
+        (1, 3, 32, 32), lambda: {"c_crossattn": text(), "guidance": torch.tensor([0.0])},
+        "comfy.ldm.chroma_radiance.model.ChromaRadianceParams",
+        {"txt_ids_dims": [], "vec_in_dim": None, "use_x0": False, "use_sequential_txt_ids": False}),
+    "hunyuan_video15": TinyModel("HunyuanVideo15", dict(
+        image_model="hunyuan_video", in_channels=4, out_channels=4, vec_in_dim=None, context_in_dim=32, theta=256,
+        patch_size=[1, 1, 1], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+        use_cond_type_embedding=True, vision_in_dim=24, **FLUX_LIKE),
+        (1, 4, 2, 4, 4), lambda: {"c_crossattn": text()},
+        "comfy.ldm.hunyuan_video.model.HunyuanVideoParams", {"meanflow_sum": False}),
+    "wan21": TinyModel("WAN21_T2V", dict(WAN, in_dim=4, out_dim=4), (1, 4, 2, 8, 8)),
+    "wan22_5b": TinyModel("WAN22_T2V", dict(WAN, in_dim=48, out_dim=48), (1, 48, 2, 8, 8)),
+    "wan22_camera": TinyModel("WAN22_Camera", dict(WAN, model_type="camera_2.2", num_layers=8, in_dim=4, out_dim=4,
+                                                   in_dim_control_adapter=6),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "camera_conditions": noise(1, 6, 2, 64, 64, seed=4)}),
+    "wan21_vace": TinyModel("WAN21_Vace", dict(WAN, model_type="vace", num_layers=4, in_dim=4, out_dim=4,
+                                               vace_layers=2, vace_in_dim=12),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "vace_context": noise(1, 1, 12, 2, 8, 8, seed=2),
+                                  "vace_strength": [1.0]}),
+    "kandinsky5": TinyModel("Kandinsky5", dict(
+        image_model="kandinsky5", in_visual_dim=4, out_visual_dim=4, in_text_dim=32, in_text_dim2=16, time_dim=32,
+        model_dim=64, ff_dim=128, visual_embed_dim=36, patch_size=(1, 2, 2), num_text_blocks=2, num_visual_blocks=3,
+        axes_dims=(8, 12, 12)),
+        (1, 4, 1, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
+                                  "c_concat": noise(1, 5, 1, 8, 8, seed=3)}),
+    "wan21_i2v": TinyModel("WAN21_I2V", dict(WAN, model_type="i2v", dim=256, ffn_dim=512, num_layers=4, in_dim=9, out_dim=4),
+        (1, 4, 2, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 5, 2, 8, 8, seed=2),
+                                  "clip_fea": noise(1, 9, 1280, seed=3)}),
+    "ernie_image": TinyModel("ErnieImage", dict(
+        image_model="ernie", hidden_size=64, num_attention_heads=2, num_layers=3, ffn_hidden_size=128, in_channels=8,
+        out_channels=8, patch_size=1, text_in_dim=32, rope_axes_dim=(8, 12, 12)), (1, 8, 4, 4)),
+    "krea2": TinyModel("Krea2", dict(
+        image_model="krea2", features=64, tdim=32, txtdim=32, heads=2, kvheads=2, multiplier=2, layers=3, patch=2,
+        channels=4, txtlayers=2, txtheads=2, txtkvheads=2),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(width=64)}),  # two text-encoder layers of 32
+    "lens": TinyModel("Lens", dict(
+        image_model="lens", patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, enc_hidden_dim=32, axes_dims_rope=(4, 14, 14), multi_layer_encoder_feature=False),
+        (1, 16, 4, 4)),
+    "cogvideox": TinyModel("CogVideoX_T2V", dict(
+        image_model="cogvideox", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+        time_embed_dim=32, text_embed_dim=32, num_layers=3, sample_width=8, sample_height=8, sample_frames=5,
+        patch_size=2, max_text_seq_length=5, use_rotary_positional_embeddings=True), (1, 4, 2, 8, 8)),
+    "boogu": TinyModel("Boogu", dict(
+        image_model="boogu", patch_size=2, in_channels=4, hidden_size=64, num_layers=3, num_double_stream_layers=2,
+        num_refiner_layers=2, num_attention_heads=2, num_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0,
+        axes_dim_rope=(8, 12, 12), axes_lens=(64, 64, 64), instruction_feat_dim=32),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "pixeldit": TinyModel("PixelDiTT2I", dict(
+        image_model="pixeldit_t2i", in_channels=3, num_groups=2, hidden_size=64, pixel_hidden_size=8,
+        pixel_attn_hidden_size=32, pixel_num_groups=2, patch_depth=3, pixel_depth=1, patch_size=4, txt_embed_dim=32,
+        txt_max_length=5), (1, 3, 16, 16)),
+    "mage_flow": TinyModel("MageFlow", dict(
+        image_model="mage_flow", in_channels=16, out_channels=16, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 4, 4)),
+    "sd3": TinyModel("SD3", dict(
+        in_channels=4, out_channels=4, patch_size=2, depth=3, input_size=None, adm_in_channels=32,
+        context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 192}},
+        num_patches=64, pos_embed_max_size=8, pos_embed_scaling_factor=None, x_block_self_attn_layers=[]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 32, seed=2)}),
+    "auraflow": TinyModel("AuraFlow", dict(
+        in_channels=4, out_channels=4, patch_size=2, dim=64, n_layers=5, n_double_layers=2, n_heads=2,
+        global_conddim=64, cond_seq_dim=32, max_seq=64), (1, 4, 8, 8)),
+    "lumina2": TinyModel("Lumina2", dict(
+        image_model="lumina2", patch_size=2, in_channels=4, dim=64, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=32, axes_dims=[8, 12, 12],
+        axes_lens=[64, 64, 64]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "omnigen2": TinyModel("Omnigen2", dict(
+        image_model="omnigen2", patch_size=2, in_channels=4, hidden_size=64, num_layers=3, num_refiner_layers=2,
+        num_attention_heads=2, num_kv_heads=2, multiple_of=16, ffn_dim_multiplier=2.0, axes_dim_rope=(8, 12, 12),
+        axes_lens=(64, 64, 64), text_feat_dim=32),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "hunyuan3d2": TinyModel("Hunyuan3Dv2", dict(
+        image_model="hunyuan3d2", in_channels=8, context_in_dim=32, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2,
+        depth_single_blocks=3, guidance_embed=False), (1, 8, 16)),
+    "z_image": TinyModel("ZImage", dict(
+        image_model="lumina2", patch_size=2, in_channels=4, dim=256, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=32,
+        axes_dims=[32, 48, 48], axes_lens=[64, 64, 64], z_image_modulation=True, time_scale=1000.0,
+        pad_tokens_multiple=4),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "qwen_image": TinyModel("QwenImage", dict(
+        image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
+    "hidream": TinyModel("HiDream", dict(
+        image_model="hidream", patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=3,
+        attention_head_dim=32, num_attention_heads=2, caption_channels=[32, 24], text_emb_dim=16,
+        num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[16, 8, 8], max_resolution=[16, 16],
+        llama_layers=[0, 1, 1, 1, 1]),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "y": noise(1, 16, seed=2),
+                               "encoder_hidden_states_llama3": noise(1, 2, 5, 24, seed=3)}),
+    "cosmos1": TinyModel("CosmosT2V", dict(  # its blocks are a ModuleDict
+        image_model="cosmos", max_img_h=64, max_img_w=64, max_frames=8, in_channels=4, out_channels=4,
+        patch_spatial=2, patch_temporal=1, model_channels=64, block_config="FA-CA-MLP", concat_padding_mask=True,
+        pos_emb_cls="rope3d", pos_emb_learnable=False, pos_emb_interpolation="crop", block_x_format="THWBD",
+        affline_emb_norm=True, use_adaln_lora=True, adaln_lora_dim=16, num_blocks=3, num_heads=2,
+        crossattn_emb_channels=32, extra_per_block_abs_pos_emb=True, rope_h_extrapolation_ratio=1.0,
+        rope_w_extrapolation_ratio=1.0, rope_t_extrapolation_ratio=2.0, extra_per_block_abs_pos_emb_type="learnable"),
+        (1, 4, 2, 8, 8)),
+    "cosmos_predict2": TinyModel("CosmosT2IPredict2", dict(
+        image_model="cosmos_predict2", max_img_h=64, max_img_w=64, max_frames=8, in_channels=4, out_channels=4,
+        patch_spatial=2, patch_temporal=1, concat_padding_mask=True, model_channels=64, num_blocks=3, num_heads=2,
+        crossattn_emb_channels=32, pos_emb_cls="rope3d", pos_emb_learnable=True, pos_emb_interpolation="crop",
+        use_adaln_lora=True, adaln_lora_dim=16, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+        rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0), (1, 4, 1, 8, 8)),
+    "ltxv": TinyModel("LTXV", dict(
+        image_model="ltxv", in_channels=8, cross_attention_dim=64, attention_head_dim=32, num_attention_heads=2,
+        caption_channels=32, num_layers=3),
+        (1, 8, 2, 4, 4), lambda: {"c_crossattn": text(), "attention_mask": torch.ones(1, 5)}),
+    "hunyuan_dit": TinyModel("HunyuanDiT", dict(
+        image_model="hydit", input_size=8, patch_size=2, in_channels=4, hidden_size=128, depth=6, num_heads=2,
+        mlp_ratio=2.0, text_states_dim=32, text_states_dim_t5=24, text_len=5, text_len_t5=6),
+        (1, 4, 8, 8), lambda: {"c_crossattn": text(), "text_embedding_mask": torch.ones(1, 5),
+                               "encoder_hidden_states_t5": noise(1, 6, 24, seed=2),
+                               "text_embedding_mask_t5": torch.ones(1, 6)}),
+    "pixart_sigma": TinyModel("PixArtSigma", dict(
+        image_model="pixart_sigma", num_heads=2, patch_size=8, hidden_size=64, in_channels=4, depth=3,
+        caption_channels=32, model_max_length=5, micro_condition=False, input_size=16, pe_interpolation=0.25),
+        (1, 4, 64, 64)),
+}
+
+
+def comfy_version() -> str:
+    import comfyui_version
+
+    return comfyui_version.__version__
+
+
+def build(tiny: TinyModel):
+    """ComfyUI's BaseModel for ``tiny`` with seeded weights, in a plain ModelPatcher."""
+    import comfy.model_management as mm
+    import comfy.supported_models
+    from comfy.model_patcher import ModelPatcher
+
+    config_class = getattr(comfy.supported_models, tiny.config, None)
+    if config_class is None:
+        pytest.skip(f"ComfyUI {comfy_version()} has no {tiny.config} model")
+    model = config_class(tiny.full_config()).get_model({})
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every tensor a checkpoint holds: ComfyUI's ops leave them uninitialised
+        for tensor in model.diffusion_model.state_dict().values():
+            if tensor.is_floating_point():
+                scale = tensor.shape[1:].numel() ** -0.5 if tensor.dim() > 1 else 0.02
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale)
+    return ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+
+
+def denoise(patcher, tiny: TinyModel) -> torch.Tensor:
+    """One ``apply_model`` call of ``patcher``'s model, loaded by ComfyUI as a sampler would load it."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([patcher])
+    with torch.inference_mode():
+        return patcher.model.apply_model(noise(*tiny.latent), torch.tensor([0.6]), **tiny.conds())
+
+
+def first_calls(modules: list[nn.Module], run: Callable[[], torch.Tensor]) -> tuple[list[nn.Module], torch.Tensor]:
+    """The modules in the order of their first call during ``run()``, and its result."""
+    called: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: None if m in called else called.append(m)) for m in modules]
+    try:
+        return called, run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, name):
+    import comfy.model_management as mm
+
+    blocks_module = pack_module("nodes.blocks")
+    tiny = MODELS[name]
+    plain = build(tiny)
+    diffusion_model = plain.model.diffusion_model
+    blocks = blocks_module.find_blocks(diffusion_model)
+    order, expected = first_calls(blocks, lambda: denoise(plain, tiny))
+    assert order == blocks, "find_blocks lists every block in the order of its first call"
+
+    offloaded = run_node("GroupOffload", model=plain, **OFFLOAD).outputs[0]
+    try:
+        assert torch.equal(denoise(offloaded, tiny), expected)
+        stats = pack_module("offload_core").handle_of(blocks[0]).stats()
+        assert stats["groups"] == (len(blocks) + 1) // 2
+        assert stats["sync_onloads"] == stats["groups"], "every group ran through the engine"
+        assert stats["copies_h2d"] == stats["groups"] + 1, "and the last one prefetched the first for the next pass"
+        assert stats["bytes_d2h"] == 0
+    finally:
+        mm.unload_all_models()
+    assert blocks_module.find_blocks(diffusion_model) == blocks, "the same blocks, in the same order, every call"
+
+
+class TwoListDiT(nn.Module):
+    """Embedders around a double and a single block list, as in Flux."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.double_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.single_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+
+class WrappedDiT(nn.Module):
+    """The trunk inside a wrapper (as HiDream-O1's language_model), beside an embedder with blocks of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_refiner = nn.Sequential(nn.Linear(8, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2)))
+        self.transformer = TwoListDiT()
+
+
+def test_nested_lists_are_found_and_stay_found_while_hidden_for_comfyuis_load(comfy):
+    blocks_module, patcher = pack_module("nodes.blocks"), pack_module("nodes.patcher")
+    model = WrappedDiT()
+    paths = blocks_module.block_list_paths(model)
+    assert paths == ("transformer.double_blocks", "transformer.single_blocks")
+    lists = [model.get_submodule(path) for path in paths]
+    with patcher._blocks_hidden(model):
+        assert all(len(model.get_submodule(path)) == 0 for path in paths)
+        assert blocks_module.block_list_paths(model) == paths and blocks_module.find_blocks(model) == []
+    assert [model.get_submodule(path) for path in paths] == lists
+
+
+# Block lists at the real sizes (models built on the meta device from each config's defaults). The
+# small lists beside the trunk (refiners, injectors, embedders) stay out.
+REAL_SIZE = {
+    "SD3": ("joint_blocks",),
+    "AuraFlow": ("double_layers", "single_layers"),
+    "HunyuanDiT": ("blocks",),
+    "LTXV": ("transformer_blocks",),
+    "Lumina2": ("layers",),
+    "WAN21_T2V": ("blocks",),
+    "WAN22_S2V": ("blocks",),
+    "WAN22_Animate": ("blocks",),
+    "Hunyuan3Dv2": ("double_blocks", "single_blocks"),
+    "Hunyuan3Dv2_1": ("blocks",),
+    "ACEStep": ("transformer_blocks",),
+    "Omnigen2": ("layers",),
+    "QwenImage": ("transformer_blocks",),
+    "LTXAV": ("transformer_blocks",),
+    "Kandinsky5": ("visual_transformer_blocks",),
+    "Boogu": ("double_stream_layers", "single_stream_layers"),
+    "HiDreamO1": ("language_model.layers",),
+    "MiniMaxMusic3": ("diffusion_transformer.transformer.layers",),
+    "WAN22_WanDancer": ("blocks",),
+    "PixelDiTT2I": ("patch_blocks",),
+    "ErnieImage": ("layers",),
+    "Lens": ("transformer_blocks",),
+    "Ideogram4": ("layers",),
+    "CogVideoX_T2V": ("blocks",),
+    "Krea2": ("blocks",),
+}
+
+
+def meta_model(config: str) -> nn.Module:
+    import comfy.supported_models
+
+    config_class = getattr(comfy.supported_models, config, None)
+    if config_class is None:
+        pytest.skip(f"ComfyUI {comfy_version()} has no {config} model")
+    with torch.device("meta"):
+        return config_class(dict(config_class.unet_config)).get_model({}).diffusion_model
+
+
+@pytest.mark.parametrize("config, paths", REAL_SIZE.items(), ids=list(REAL_SIZE))
+def test_real_size_block_lists(comfy, config, paths):
+    assert pack_module("nodes.blocks").block_list_paths(meta_model(config)) == paths
+
+
+def test_a_unet_is_refused_with_a_clear_message(comfy):
+    import comfy.model_management as mm
+    import comfy.supported_models
+    from comfy.model_patcher import ModelPatcher
+
+    unet_config = {"image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 32, "num_res_blocks": [1, 1],
+                   "channel_mult": [1, 2], "transformer_depth": [1, 1], "transformer_depth_middle": 1,
+                   "transformer_depth_output": [1, 1, 1, 1], "context_dim": 32, "num_heads": 2, "num_head_channels": -1,
+                   "use_checkpoint": False, "use_spatial_transformer": True, "legacy": False, "adm_in_channels": None,
+                   "use_linear_in_transformer": False, "use_temporal_attention": False, "use_temporal_resblock": False}
+    with torch.device("meta"):
+        model = comfy.supported_models.SD15(unet_config).get_model({})
+    patcher = ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    with pytest.raises(ValueError, match="UNetModel has no list of transformer blocks that Group Offload can stream"):
+        run_node("GroupOffload", model=patcher, **OFFLOAD)
+
+
+def stable_cascade_c() -> nn.Module:
+    """Stage C's levels are lists of ResBlock, TimestepBlock and AttnBlock in turn, in a list of levels."""
+    import comfy.supported_models
+
+    config = {"stable_cascade_stage": "c", "c_cond": 32, "c_hidden": [32, 32], "nhead": [2, 2],
+              "blocks": [[2, 2], [2, 2]], "c_clip_text": 32, "c_clip_text_pooled": 32, "c_clip_img": 32}
+    return comfy.supported_models.Stable_Cascade_C(config).get_model({}).diffusion_model  # (meta is slower here)
+
+
+@pytest.mark.parametrize("make", [stable_cascade_c, lambda: nn.Linear(2, 2)], ids=["stable_cascade", "linear"])
+def test_a_model_without_repeated_blocks_is_named(comfy, make):
+    model = make()
+    with pytest.raises(ValueError, match=f"where {type(model).__name__} keeps its blocks: no list of repeated modules"):
+        pack_module("nodes.blocks").find_blocks(model)
+
+
+def test_a_same_named_class_without_the_listed_blocks_gets_the_generic_rule(comfy):
+    class NextDiT(nn.Module):  # not Lumina 2's: no ``layers``
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    model = NextDiT()
+    assert pack_module("nodes.blocks").find_blocks(model) == list(model.blocks)
+
+
+def test_the_rule_used_is_logged_once_per_class(comfy, caplog):
+    blocks_module = pack_module("nodes.blocks")
+    caplog.set_level(logging.INFO, logger=blocks_module.__name__)
+    for _ in range(2):
+        model = TwoListDiT()
+        assert blocks_module.find_blocks(model) == [*model.double_blocks, *model.single_blocks]
+    messages = [r.getMessage() for r in caplog.records if r.name == blocks_module.__name__]
+    assert messages == ["Group Offload: the blocks of TwoListDiT are double_blocks, single_blocks (by the generic rule)"]
