@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from comfy_env import boot_comfyui_in_process, run_node, tiny_qwen_image_file, widen_qwen_detection  # noqa: E402
+from fake_cudart import give_device_memory  # noqa: E402
 from lora_fixture import make_lora  # noqa: E402
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
@@ -45,6 +46,7 @@ def main(workdir: Path) -> dict:
     import comfy.utils
 
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic  # as main.py installs it
+    give_device_memory(setattr, free=24 * 2**30)  # the meta load device answers as a 24 GiB card
     path = str(tiny_qwen_image_file(num_layers=4))
     lora = comfy.utils.load_torch_file(str(make_lora(Path(path), workdir / "lora.safetensors")))
 

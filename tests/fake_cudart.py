@@ -71,3 +71,25 @@ def install(set_attr: Callable[[Any, str, Any], None] = setattr, comfy_pin_limit
     set_attr(mm, "PINNED_MEMORY", {})
     set_attr(mm, "TOTAL_PINNED_MEMORY", 0)
     return fake
+
+
+def give_device_memory(set_attr: Callable[[Any, str, Any], None], free: int, total: int = 24 * 2**30,
+                       device_type: str = "meta") -> None:
+    """Make ComfyUI's ``get_free_memory`` / ``get_total_memory`` answer for ``device_type`` (the meta
+    device standing in for a GPU) as the CUDA runtime would answer for a card with these figures."""
+    import comfy.model_management as mm
+
+    real_free, real_total = mm.get_free_memory, mm.get_total_memory
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        if dev is None or dev.type != device_type:
+            return real_free(dev, torch_free_too)
+        return (free, free) if torch_free_too else free
+
+    def get_total_memory(dev=None, torch_total_too=False):
+        if dev is None or dev.type != device_type:
+            return real_total(dev, torch_total_too)
+        return (total, total) if torch_total_too else total
+
+    set_attr(mm, "get_free_memory", get_free_memory)
+    set_attr(mm, "get_total_memory", get_total_memory)

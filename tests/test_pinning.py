@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import comfy_env
+from fake_cudart import give_device_memory
 from comfy_env import make_test_conditioning, run_node, run_txt2img
 from test_nodes import engine, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
 
@@ -292,27 +293,8 @@ def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(mod
 GPU = torch.device("meta")
 
 
-def give_device_memory(monkeypatch: pytest.MonkeyPatch, free: int, total: int = 24 * 2**30) -> None:
-    import comfy.model_management as mm
-
-    real_free, real_total = mm.get_free_memory, mm.get_total_memory
-
-    def get_free_memory(dev=None, torch_free_too=False):
-        if dev is None or dev.type != GPU.type:
-            return real_free(dev, torch_free_too)
-        return (free, free) if torch_free_too else free
-
-    def get_total_memory(dev=None, torch_total_too=False):
-        if dev is None or dev.type != GPU.type:
-            return real_total(dev, torch_total_too)
-        return (total, total) if torch_total_too else total
-
-    monkeypatch.setattr(mm, "get_free_memory", get_free_memory)
-    monkeypatch.setattr(mm, "get_total_memory", get_total_memory)
-
-
 def test_loading_on_another_device_rebuilds_the_engine_on_the_same_host_buffers(models, monkeypatch):
-    give_device_memory(monkeypatch, free=1 << 40)
+    give_device_memory(monkeypatch.setattr, free=1 << 40)
     model = offload(load_plain(), residency="stream_all")
     model.load(torch.device("cpu"), lowvram_model_memory=1 << 40, full_load=True)
     first = engine(model)
@@ -350,11 +332,11 @@ def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, m
     model.load_device = GPU
     for name, value in FLAGS[flag].items():
         monkeypatch.setattr(mm, name, getattr(mm.VRAMState, value) if name == "vram_state" else value)
-    give_device_memory(monkeypatch, free=0)
+    give_device_memory(monkeypatch.setattr, free=0)
     group = model.engine(GPU).groups[0].nbytes
     other = mm.module_size(model.model) - raw_block_bytes(model)
     free = mm.minimum_inference_memory() + other + 2 * group + int(free_groups * group)  # beside the 2 slabs
-    give_device_memory(monkeypatch, free)
+    give_device_memory(monkeypatch.setattr, free)
     handle = model.engine(GPU)
     monkeypatch.setattr(handle, "onload_resident", lambda: None)  # a meta tensor cannot back a CPU Parameter
     try:
@@ -380,7 +362,7 @@ def test_pins_are_counted_once(models, fake_cudart, monkeypatch):
     model = offload(load_plain(), residency="auto", prefetch=1)
     model.load_device = GPU
     other = mm.module_size(model.model) - raw_block_bytes(model)
-    give_device_memory(monkeypatch, free=0, total=mm.minimum_inference_memory() + other + 2 * group + int(1.5 * group))
+    give_device_memory(monkeypatch.setattr, free=0, total=mm.minimum_inference_memory() + other + 2 * group + int(1.5 * group))
     handle = model.engine(GPU)  # plans against the device's whole memory: one group resident, three streamed
     assert pins(handle) == streamed(handle) == [group] * 3
     assert model.pinned_memory_size() == 3 * group == fake_cudart.registered_bytes
