@@ -101,6 +101,7 @@ class ModuleGroup:
         self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
         self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
         self.parked = False  # on the device, but the modules point at the mirror until the next use
+        self.running = 0  # forwards of its blocks in progress
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
 
     @property
@@ -114,8 +115,8 @@ class ModuleGroup:
     def qualnames(self) -> list[str]:
         return [b.qualname for b in self.bindings]
 
-    def pin(self, pinner: Pinner) -> bool:
-        return self.mirror.pin(pinner)
+    def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
+        return self.mirror.pin(pinner, drain)
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Point every parameter and buffer at ``views``; the hot path, so two plain loops."""

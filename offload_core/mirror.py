@@ -7,8 +7,9 @@ host-to-device copy per group, whatever mix of dtypes it holds.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -68,29 +69,45 @@ class CudaHostRegister:
 
 
 class HostMirror:
-    """The host copy of one group: a packed buffer, its typed views and its pinned state."""
+    """The host copy of one group: a packed buffer, its typed views and its pinned state.
+
+    Buffer and views are normal tensors even when built under inference mode: the modules'
+    parameters point at them, and must still take part in autograd once offloading is removed.
+    """
 
     def __init__(self, segments: list[Segment], nbytes: int, buffer: torch.Tensor | None = None) -> None:
         self.segments = segments
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer
-        self.views = segment_views(self.buffer, segments)
-        self._pinner: Pinner | None = None
+        with torch.inference_mode(False):
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer
+            self.views = segment_views(self.buffer, segments)
+        self._unpin: weakref.finalize | None = None
 
-    def pin(self, pinner: Pinner) -> bool:
+    def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
+        """Pin the buffer; ``drain`` waits for the copies that read it, before it is unpinned.
+
+        It is unpinned by ``unpin()`` or, failing that, when the mirror is garbage-collected.
+        """
         if pinner.pin(self.buffer):
-            self._pinner = pinner
+            self._unpin = weakref.finalize(self, _unpin, pinner, self.buffer, drain)
+            self._unpin.atexit = False  # at exit the process's memory goes anyway
         return self.pinned
 
     @property
     def pinned(self) -> bool:
-        return self._pinner is not None
+        return self._unpin is not None and self._unpin.alive
 
     def unpin(self) -> None:
         """Return the page-locked memory; the buffer stays valid as ordinary host memory."""
-        if self._pinner is not None:
-            self._pinner.unpin(self.buffer)
-            self._pinner = None
+        if self._unpin is not None:
+            self._unpin()
+
+
+def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:
+    """The mirror's finalizer: it holds the buffer, never the mirror, so the mirror can be collected."""
+    if drain is not None:
+        drain()
+    pinner.unpin(buffer)
 
 
 def packed_buffer(tensors: list[torch.Tensor], segments: list[Segment], nbytes: int) -> torch.Tensor | None:
@@ -104,4 +121,5 @@ def packed_buffer(tensors: list[torch.Tensor], segments: list[Segment], nbytes: 
         if (tensor.untyped_storage().data_ptr() != storage.data_ptr() or not tensor.is_contiguous()
                 or tensor.storage_offset() * tensor.element_size() != segment.offset):
             return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -21,8 +21,13 @@ def _evenly_spaced(n: int, count: int) -> set[int]:
     return {int((j + 0.5) * n / count) for j in range(count)} if count else set()
 
 
+def planned_slabs(streamed_groups: int, prefetch: int) -> int:
+    """Slabs the streamed groups cycle through: one running, ``prefetch`` being filled."""
+    return min(prefetch + 1, streamed_groups)
+
+
 def device_footprint(group_bytes: list[int], resident: list[bool], prefetch: int) -> int:
     """Device bytes held while sampling: the resident groups plus the slabs the streamed ones cycle through."""
     streamed = [b for b, r in zip(group_bytes, resident) if not r]
-    slabs = min(prefetch + 1, len(streamed))
+    slabs = planned_slabs(len(streamed), prefetch)
     return sum(b for b, r in zip(group_bytes, resident) if r) + slabs * max(streamed, default=0)
