@@ -230,8 +230,8 @@ class GroupOffloadHandle:
         return offloaded_forward
 
     def _enter(self, group: ModuleGroup, first: bool) -> None:
-        if group.index in self._active and not (first and not group.running):
-            return  # a later block of a group that is already running
+        if group.index in self._active and (group.running or not first):
+            return  # a later block of a group that is already running (its first block again: a new run)
         started = time.perf_counter()
         if self._active:
             self._close_unfinished()
