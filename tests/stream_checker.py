@@ -206,9 +206,6 @@ class StreamChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.last_error is not None:
-            error, self.last_error = self.last_error, None
-            raise StaleCudaError(f"CUDA error: {error} (reported by the launch of {func})")
         self._kernel(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -218,7 +215,10 @@ class StreamChecker(TorchDispatchMode):
         schema = func._schema
         writes_any = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         if not writes_any and any(r.alias_info is not None for r in schema.returns):
-            return  # a view: no memory is touched
+            return  # a view: no memory is touched, no kernel launched
+        if self.last_error is not None:  # torch checks cudaGetLastError after each launch
+            error, self.last_error = self.last_error, None
+            raise StaleCudaError(f"CUDA error: {error} (reported by the launch of {func})")
         accesses = []
         for position, argument in enumerate(schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
@@ -287,9 +287,13 @@ class StreamChecker(TorchDispatchMode):
 
     def _return_freed_blocks(self) -> None:
         """Blocks whose tensors are all gone go back to their stream's pool (history and all)."""
-        freed = [block for block, storage in self._live if storage.expired()]
-        self._live = [(block, storage) for block, storage in self._live if not storage.expired()]
-        self._pools += freed
+        live = []
+        for block, storage in self._live:
+            if storage.expired():
+                self._pools.append(block)
+            else:
+                live.append((block, storage))
+        self._live = live
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
