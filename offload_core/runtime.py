@@ -58,7 +58,7 @@ class CudaRuntime:
         it as that kernel's failure. A tiny launch makes the check read it, and clear it, here.
         """
         try:
-            torch.zeros(1, device=self.device)
+            torch.zeros(1, device=self.device).add_(1)
             torch.cuda.synchronize(self.device)
         except RuntimeError as error:
             log.debug("discarded a CUDA error left by a refused host registration: %s", error)
