@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import apply_group_offload
+from offload_core import CudaHostRegister, apply_group_offload
+from offload_core.runtime import CudaRuntime
 from stream_checker import StreamChecker
 from test_core_engine import make_pair
 
@@ -118,3 +119,16 @@ def test_wait_timers_stay_bounded_when_nobody_reads_stats(checker):
     assert handle.ledger.hook_calls == 30 * len(handle.groups)
     assert len(handle.ledger._wait_events) <= FOLD_WAITS_AT
     assert handle.stats()["compute_wait_ms"] == 0.0
+
+
+@pytest.mark.cuda
+def test_a_refused_registration_leaves_no_error_on_a_real_gpu():
+    buffer = torch.ones(1 << 20, dtype=torch.uint8)
+    pinner = CudaHostRegister()
+    assert pinner.pin(buffer)
+    try:
+        assert not pinner.pin(buffer), "registering twice is refused"
+        CudaRuntime(torch.device("cuda")).discard_last_error()
+        assert torch.ones(4, device="cuda").add_(1).sum().item() == 8, "no stale error at this launch"
+    finally:
+        pinner.unpin(buffer)
