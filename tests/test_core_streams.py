@@ -114,9 +114,9 @@ def test_wait_timers_stay_bounded_when_nobody_reads_stats(checker):
     _, offloaded, x = make_pair("cpu")
     handle = offload(offloaded, checker, prefetch=1)
     with torch.no_grad():
-        for _ in range(30):
+        for _ in range(15):  # 90 waits, past FOLD_WAITS_AT
             offloaded(x)
-    assert handle.ledger.hook_calls == 30 * len(handle.groups)
+    assert handle.ledger.hook_calls == 15 * len(handle.groups)
     assert len(handle.ledger._wait_events) <= FOLD_WAITS_AT
     assert handle.stats()["compute_wait_ms"] == 0.0
 
