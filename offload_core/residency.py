@@ -37,9 +37,11 @@ def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]
 
     Keeping the smallest sum per bucket is what makes the bound hold: for any choice of groups,
     after ``i`` groups some kept plan has a resident sum at most ``i`` buckets below it, never above.
+    Plans that can no longer come within ``SPREAD_ALLOWANCE`` of the fullest are dropped.
     """
+    total = sum(group_bytes)
     bucket = max(1, int(PRECISION * budget / len(group_bytes)))
-    share = budget / sum(group_bytes)
+    share = budget / total
     plans: list[_Plan] = [(0, 0.0, 0)]
     done = 0
     for i, nbytes in enumerate(group_bytes):
@@ -57,6 +59,8 @@ def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]
                 if key not in evenest or (plan[1], plan[0]) < (evenest[key][1], evenest[key][0]):
                     evenest[key] = plan
         plans = [*lowest.values(), *(plan for key, plan in evenest.items() if plan is not lowest[key])]
+        hopeless = max(resident for resident, _, _ in plans) - SPREAD_ALLOWANCE * budget - (total - done)
+        plans = [plan for plan in plans if plan[0] >= hopeless]
     return plans
 
 
