@@ -37,7 +37,8 @@ def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]
 
     Keeping the smallest sum per bucket is what makes the bound hold: for any choice of groups,
     after ``i`` groups some kept plan has a resident sum at most ``i`` buckets below it, never above.
-    Plans that can no longer come within ``SPREAD_ALLOWANCE`` of the fullest are dropped.
+    Plans that can no longer come within ``SPREAD_ALLOWANCE`` of the fullest are dropped; since
+    ``SPREAD_ALLOWANCE >= PRECISION``, that is never the plan the bound rests on.
     """
     total = sum(group_bytes)
     bucket = max(1, int(PRECISION * budget / len(group_bytes)))
