@@ -4,15 +4,25 @@ Per group, per forward (each block's ``forward`` is wrapped):
 
 - ``_enter`` (before the group's first block runs): make sure the group is on the device, make the
   compute stream wait for its copy, then start copying the next streamed groups on the side stream;
-- ``_exit`` (after its last block ran): point the modules back at the host mirror — no
+- ``_leave`` (after its last block ran): point the modules back at the host mirror — no
   device-to-host copy, the host already holds the weights — and hand the slab back.
 
-Stream choreography on CUDA (the only cross-stream ordering there is):
+Both stay out of torch.compile graphs (``torch.compiler.disable``): a compiled model breaks its graph
+at them, and each block's forward compiles on its own, once for all blocks of its class, since every
+device view keeps its dtype, shape and stride whichever slab it lies in.
+
+Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
+proves it on every test run):
 
 - ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream
   waits on it before the group runs;
 - ``self._released[slab]``  recorded on the compute stream when the group that read the slab has
-  run; the copy stream waits on it before it overwrites the slab.
+  run; the copy stream waits on it before it overwrites the slab;
+- fresh device memory  comes from the compute stream's pool of the caching allocator, where
+  queued kernels may still read it: the copy stream waits for the compute stream (``wait_stream``)
+  before its first copy into it;
+- dropping device memory  the compute stream waits for the copy stream first, so the allocator
+  reuses it only after the copies into it; unpinning a mirror waits for the copy stream on the host.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +38,8 @@ from torch import nn
 from .group import FillFn, ModuleGroup
 from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
-from .residency import device_footprint, plan_residency
+from .residency import device_footprint, plan_residency, planned_slabs
+from .runtime import CudaRuntime, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +75,14 @@ class GroupOffloadHandle:
     """Owns the groups, hooks, slabs and ledger of one ``apply_group_offload`` call."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig,
-                 fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None) -> None:
+                 fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None,
+                 runtime: Runtime | None = None) -> None:
         self.config = config
         self.ledger = TransferLedger()
-        self._cuda = config.onload_device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(config.onload_device) if self._cuda else None
+        if runtime is None and config.onload_device.type == "cuda":
+            runtime = CudaRuntime(config.onload_device)
+        self._runtime = runtime  # None: the device is the host, copies are synchronous
+        self._copy_stream = runtime.new_stream() if runtime is not None else None
         qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
         chunks = [blocks[i : i + config.blocks_per_group] for i in range(0, len(blocks), config.blocks_per_group)]
         self.groups: list[ModuleGroup] = []
@@ -78,10 +92,11 @@ class GroupOffloadHandle:
             self.groups.append(group)
             if progress is not None:
                 progress(len(self.groups), len(chunks))
+        self._inference = any(g.inference for g in self.groups)  # the kind of device buffers to make
         self._slab_bytes = 0
         self._slabs_made = 0
         self._free_slabs: list[torch.Tensor] = []
-        self._released: dict[int, torch.cuda.Event] = {}
+        self._released: dict[int, Any] = {}  # slab data_ptr -> event
         self._active: set[int] = set()
         self._trace: list[int] = []
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
@@ -137,7 +152,7 @@ class GroupOffloadHandle:
         for group in self.groups:
             if group.resident:
                 group.mirror.unpin()  # first, so that the streamed ones can have what it held
-        refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not g.pin(self._pinner))
+        refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
         if refused:
             log.info("%.1f MB of streamed groups stay in pageable memory (slower copies): pinning was refused",
                      refused / 2**20)
@@ -147,13 +162,17 @@ class GroupOffloadHandle:
         """Return every mirror's page-locked memory (the mirrors stay valid); returns the bytes unpinned."""
         pinned = [g for g in self.groups if g.mirror.pinned]
         for group in pinned:
-            group.mirror.unpin()
+            group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
         return sum(g.nbytes for g in pinned)
 
     def device_bytes_needed(self) -> int:
-        """Device memory the offloaded blocks hold while sampling: resident groups, slabs and the patch's own."""
-        groups = device_footprint([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.config.prefetch)
-        return groups + self._patch_bytes
+        """Device memory the offloaded blocks hold while sampling: resident groups plus slabs
+        (including slabs made beyond the plan while more groups ran at once than it has slabs for),
+        and what the onload patch holds."""
+        resident = [g.resident for g in self.groups]
+        planned = device_footprint([g.nbytes for g in self.groups], resident, self.config.prefetch)
+        extra_slabs = self._slabs_made - planned_slabs(resident.count(False), self.config.prefetch)
+        return planned + max(0, extra_slabs) * self._slab_bytes + self._patch_bytes
 
     def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = (), device_bytes: int = 0) -> None:
         """Apply ``patch`` to the named tensors on the device after every onload (mirrors stay pristine).
@@ -209,8 +228,8 @@ class GroupOffloadHandle:
 
     def _finish_copies(self) -> None:
         """Device buffers may be dropped only once the copies into them are done."""
-        if self._cuda:
-            torch.cuda.current_stream(self.config.onload_device).wait_stream(self._copy_stream)
+        if self._runtime is not None:
+            self._runtime.current_stream().wait_stream(self._copy_stream)
 
     def _forget_slabs(self) -> None:
         self._active.clear()
@@ -226,31 +245,34 @@ class GroupOffloadHandle:
         a wrapper can put the group back when a forward raises."""
         wrapped = []
         for block in group.blocks:
-            wrapper = self._offloaded_forward(group, block.forward, last=block is group.blocks[-1])
+            wrapper = self._offloaded_forward(group, block.forward, block is group.blocks[0], block is group.blocks[-1])
             block.forward = wrapper
             wrapped.append((block, wrapper))
         return wrapped
 
-    def _offloaded_forward(self, group: ModuleGroup, forward: Callable, last: bool) -> Callable:
+    def _offloaded_forward(self, group: ModuleGroup, forward: Callable, first: bool, last: bool) -> Callable:
         def offloaded_forward(*args, **kwargs):
             if not self._wrapped:  # removed while someone else's wrapper still calls this one
                 return forward(*args, **kwargs)
             try:
-                self._enter(group)
+                self._enter(group, first)
                 output = forward(*args, **kwargs)
             except BaseException:
-                self._exit(group)
+                self._leave(group, close=True)  # a failed onload or forward: the group computes from its mirror
                 raise
-            if last:
-                self._exit(group)
+            self._leave(group, close=last)
             return output
 
         return offloaded_forward
 
-    def _enter(self, group: ModuleGroup) -> None:
-        if group.index in self._active:
-            return  # a later block of a group that is already running
+    @torch.compiler.disable
+    def _enter(self, group: ModuleGroup, first: bool) -> None:
+        group.running += 1
+        if group.index in self._active and (group.running > 1 or not first):
+            return  # a later block of a group that is already running (its first block again: a new run)
         started = time.perf_counter()
+        if self._active:
+            self._close_unfinished()
         if self._lookahead is None:
             self._learn_order(group)
         if not group.onloaded:
@@ -266,12 +288,24 @@ class GroupOffloadHandle:
                     break
         self.ledger.record_hook(time.perf_counter() - started, entered=True)
 
-    def _exit(self, group: ModuleGroup) -> None:
-        started = time.perf_counter()
+    @torch.compiler.disable
+    def _leave(self, group: ModuleGroup, close: bool) -> None:
+        group.running -= 1
+        if close:
+            started = time.perf_counter()
+            self._close(group)
+            self.ledger.record_hook(time.perf_counter() - started, entered=False)
+
+    def _close(self, group: ModuleGroup) -> None:
         self._active.discard(group.index)
         if not group.resident and group.onloaded:
             self._offload(group)
-        self.ledger.record_hook(time.perf_counter() - started, entered=False)
+
+    def _close_unfinished(self) -> None:
+        """Close the groups whose last block was skipped (skip-layer guidance, a replaced block):
+        open, but none of their blocks running. Blocks that call other blocks keep theirs open."""
+        for index in [i for i in self._active if not self.groups[i].running]:
+            self._close(self.groups[index])
 
     # --- schedule ---------------------------------------------------------------------------
 
@@ -303,15 +337,15 @@ class GroupOffloadHandle:
         return True
 
     def _onload(self, group: ModuleGroup, prefetched: bool) -> None:
-        slab = self._resident_buffer(group) if group.resident else self._take_slab()
+        slab = self._allocate(group.nbytes) if group.resident else self._take_slab()
         try:
-            if self._cuda:
+            if self._runtime is not None:
                 released = self._released.pop(slab.data_ptr(), None)
                 if released is not None:
                     self._copy_stream.wait_event(released)  # the last group that read this slab has run
-                with torch.cuda.stream(self._copy_stream):
+                with self._runtime.use_stream(self._copy_stream):
                     self._copy_into(group, slab, non_blocking=True)
-                    group.ready = torch.cuda.Event()
+                    group.ready = self._runtime.new_event()
                     group.ready.record(self._copy_stream)
             else:
                 self._copy_into(group, slab, non_blocking=False)
@@ -332,15 +366,17 @@ class GroupOffloadHandle:
             self._free_slabs.append(slab)
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
-        views = group.onload_(slab, non_blocking)
+        # Writes into inference tensors only under inference mode, whatever mode the forward runs in.
+        with torch.inference_mode(self._inference):
+            views = group.onload_(slab, non_blocking)
+            if self._patch is not None:
+                for i in self._patched[group.index]:
+                    views[i].copy_(self._patch(group.bindings[i].qualname, views[i]))
         self.ledger.record_copy(group.nbytes)
-        if self._patch is not None:
-            for i in self._patched[group.index]:
-                views[i].copy_(self._patch(group.bindings[i].qualname, views[i]))
 
     def _wait_for(self, group: ModuleGroup) -> None:
-        stream = torch.cuda.current_stream(self.config.onload_device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = self._runtime.current_stream()
+        start, end = self._runtime.new_event(enable_timing=True), self._runtime.new_event(enable_timing=True)
         start.record(stream)
         stream.wait_event(group.ready)
         end.record(stream)
@@ -349,9 +385,9 @@ class GroupOffloadHandle:
 
     def _offload(self, group: ModuleGroup) -> None:
         slab = group.offload_()
-        if self._cuda:
-            released = torch.cuda.Event()
-            released.record(torch.cuda.current_stream(self.config.onload_device))
+        if self._runtime is not None:
+            released = self._runtime.new_event()
+            released.record(self._runtime.current_stream())
             self._released[slab.data_ptr()] = released
         self._free_slabs.append(slab)
 
@@ -360,17 +396,24 @@ class GroupOffloadHandle:
             return self._free_slabs.pop()
         if self._slabs_made < self.config.prefetch + 1:
             self._slabs_made += 1
-            return torch.empty(self._slab_bytes, dtype=torch.uint8, device=self.config.onload_device)
+            return self._allocate(self._slab_bytes)
         # Out of order: a prefetched group that has not run yet gives its slab up.
         waiting = [g for g in self.groups if g.onloaded and not g.resident and g.index not in self._active]
         if waiting:
             self._offload(waiting[0])
             return self._free_slabs.pop()
         self._slabs_made += 1  # more groups running at once than slabs: re-entrant blocks
-        return torch.empty(self._slab_bytes, dtype=torch.uint8, device=self.config.onload_device)
+        return self._allocate(self._slab_bytes)
 
-    def _resident_buffer(self, group: ModuleGroup) -> torch.Tensor:
-        return torch.empty(group.nbytes, dtype=torch.uint8, device=self.config.onload_device)
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """Fresh device memory for the copy stream to fill, of the parameters' kind (see ``ModuleGroup``)."""
+        with torch.inference_mode(self._inference):
+            if self._runtime is None:
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.config.onload_device)
+            buffer = self._runtime.empty(nbytes)
+        # It comes from the compute stream's pool: kernels queued there may still read this memory.
+        self._copy_stream.wait_stream(self._runtime.current_stream())
+        return buffer
 
     def _choose_pinner(self, pinner: Pinner | None) -> Pinner | None:
         """A given pinner decides for itself (it may know a host whose onload device is not CUDA);
@@ -379,10 +422,18 @@ class GroupOffloadHandle:
             return None
         if pinner is not None:
             return pinner
-        if not self._cuda:
+        if self._runtime is None:
             log.info("pin_memory ignored: the onload device %s is not a CUDA device", self.config.onload_device)
             return None
         return CudaHostRegister()
+
+    def _pin(self, group: ModuleGroup) -> bool:
+        drain = None if self._runtime is None else self._copy_stream.synchronize
+        if group.pin(self._pinner, drain=drain):
+            return True
+        if self._runtime is not None:
+            self._runtime.discard_last_error()  # so that it does not surface at a later kernel launch
+        return False
 
 
 def apply_group_offload(
@@ -398,13 +449,15 @@ def apply_group_offload(
     fill: FillFn | None = None,
     pinner: Pinner | None = None,
     progress: Callable[[int, int], None] | None = None,
+    runtime: Runtime | None = None,
 ) -> GroupOffloadHandle:
     """Keep ``blocks`` in packed host mirrors and stream them to ``onload_device`` group by group.
 
     Only the given blocks are managed; everything else in ``model`` is the caller's to place.
     ``fill(name, host_view)`` writes each tensor's weights into its mirror instead of copying the
     module's current tensor (a loader reads a file straight in); ``pinner`` replaces the default
-    ``cudaHostRegister`` pinning; ``progress(done, total)`` is called as the groups are built.
+    ``cudaHostRegister`` pinning; ``progress(done, total)`` is called as the groups are built;
+    ``runtime`` replaces ``torch.cuda``'s streams, events and allocations (a test's checker).
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
                            blocks_per_group, prefetch, resident_bytes, pin_memory)
@@ -420,7 +473,7 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
-    return GroupOffloadHandle(model, blocks, config, fill, pinner, progress)
+    return GroupOffloadHandle(model, blocks, config, fill, pinner, progress, runtime)
 
 
 def handle_of(block: nn.Module) -> GroupOffloadHandle | None:

@@ -85,11 +85,25 @@ class ModuleGroup:
         self.index = index
         self.blocks = blocks
         self.bindings, tensors = _collect(blocks, qualnames)
+        # The buffers are of the tensors' own kind: a Parameter made under inference mode (as ComfyUI
+        # makes them) cannot take a normal tensor as its ``.data``, nor a normal Parameter an inference
+        # one (it would fail in backward once offloading is removed), whatever mode this runs under.
+        self.inference = any(t.is_inference() for t in tensors)
+        with torch.inference_mode(self.inference):
+            self._pack(tensors, fill)
+        self._params = [b.param for b in self.bindings if b.param is not None]
+        self._buffer_slots = [(slots, name, i) for i, b in enumerate(self.bindings) for slots, name in b.buffer_slots]
+        self.resident = False
+        self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
+        self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
+        self.parked = False  # on the device, but the modules point at the mirror until the next use
+        self.running = 0  # forwards of its blocks in progress
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
+
+    def _pack(self, tensors: list[torch.Tensor], fill: FillFn | None) -> None:
         segments, nbytes = pack_layout(tensors)
         adopted = None if fill is not None else packed_buffer(tensors, segments, nbytes)
         self.mirror = HostMirror(segments, nbytes, adopted)
-        self._params = [b.param for b in self.bindings if b.param is not None]
-        self._buffer_slots = [(slots, name, i) for i, b in enumerate(self.bindings) for slots, name in b.buffer_slots]
         for i, (binding, view) in enumerate(zip(self.bindings, self.mirror.views)):
             if fill is not None:
                 fill(binding.qualname, view)
@@ -97,11 +111,6 @@ class ModuleGroup:
                 view.copy_(tensors[i])
             binding.point_at(view)
             tensors[i] = None  # the old storage goes now: host memory holds at most one tensor twice
-        self.resident = False
-        self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
-        self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
-        self.parked = False  # on the device, but the modules point at the mirror until the next use
-        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
 
     @property
     def nbytes(self) -> int:
@@ -114,8 +123,8 @@ class ModuleGroup:
     def qualnames(self) -> list[str]:
         return [b.qualname for b in self.bindings]
 
-    def pin(self, pinner: Pinner) -> bool:
-        return self.mirror.pin(pinner)
+    def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
+        return self.mirror.pin(pinner, drain)
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Point every parameter and buffer at ``views``; the hot path, so two plain loops."""

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+#: Past this many unread wait timers, recording one folds the finished ones into the total.
+FOLD_WAITS_AT = 64
+
 
 @dataclass
 class TransferLedger:
@@ -37,6 +40,8 @@ class TransferLedger:
 
     def record_wait(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self._wait_events.append((start, end))
+        if len(self._wait_events) > FOLD_WAITS_AT:
+            self.wait_ms()  # nobody reads the stats: keep only the timers the GPU has not reached
 
     def wait_ms(self) -> float:
         """GPU time the compute stream spent waiting for copies, as far as the GPU has got.

@@ -7,8 +7,9 @@ host-to-device copy per group, whatever mix of dtypes it holds.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -75,22 +76,33 @@ class HostMirror:
         self.nbytes = nbytes
         self.buffer = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer
         self.views = segment_views(self.buffer, segments)
-        self._pinner: Pinner | None = None
+        self._unpin: weakref.finalize | None = None
 
-    def pin(self, pinner: Pinner) -> bool:
+    def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
+        """Pin the buffer; ``drain`` waits for the copies that read it, before it is unpinned.
+
+        It is unpinned by ``unpin()`` or, failing that, when the mirror is garbage-collected.
+        """
         if pinner.pin(self.buffer):
-            self._pinner = pinner
+            self._unpin = weakref.finalize(self, _unpin, pinner, self.buffer, drain)
+            self._unpin.atexit = False  # at exit the process's memory goes anyway
         return self.pinned
 
     @property
     def pinned(self) -> bool:
-        return self._pinner is not None
+        return self._unpin is not None and self._unpin.alive
 
     def unpin(self) -> None:
         """Return the page-locked memory; the buffer stays valid as ordinary host memory."""
-        if self._pinner is not None:
-            self._pinner.unpin(self.buffer)
-            self._pinner = None
+        if self._unpin is not None:
+            self._unpin()
+
+
+def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:
+    """The mirror's finalizer: it holds the buffer, never the mirror, so the mirror can be collected."""
+    if drain is not None:
+        drain()
+    pinner.unpin(buffer)
 
 
 def packed_buffer(tensors: list[torch.Tensor], segments: list[Segment], nbytes: int) -> torch.Tensor | None:

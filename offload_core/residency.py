@@ -1,28 +1,77 @@
-"""Which groups stay on the device: as many as the budget holds, spread between the streamed ones."""
+"""Which groups stay on the device: as many bytes as the budget holds, streamed ones spread out."""
 from __future__ import annotations
+
+#: Resident sums closer than ``PRECISION × budget ÷ groups`` are not told apart (keeps the search small).
+PRECISION = 0.01
+#: Share of the budget the plan may leave unused to spread the streamed groups more evenly.
+SPREAD_ALLOWANCE = 0.04
+
+#: A partial plan: (resident bytes, unevenness so far, bit mask of the resident groups).
+_Plan = tuple[int, float, int]
 
 
 def plan_residency(group_bytes: list[int], budget: int) -> list[bool]:
-    """``resident[i]`` for each group, fitting ``sum(resident bytes) <= budget``.
+    """``resident[i]`` for each group, in execution order, fitting ``sum(resident bytes) <= budget``.
 
-    The streamed groups are spaced evenly through the execution order, so each streamed copy has
-    resident compute in front of it to hide under, instead of all the copies piling up at the end.
+    Bound: the resident bytes are at least the most that any choice of groups keeps within the
+    budget, less 5 % of the budget (``PRECISION + SPREAD_ALLOWANCE``). So whenever some choice of
+    groups fills the budget, ≥ 95 % of it stays resident, whatever the mix of group sizes.
+
+    Spread: among the plans that meet the bound, the most even one, so that each streamed copy
+    has resident compute around it to hide under instead of the copies piling up together.
+    Unevenness is the sum, over the groups, of the squared gap between the bytes kept resident up
+    to and including that group and the budget's share of the bytes up to there.
     """
-    n = len(group_bytes)
-    for streamed_count in range(n + 1):
-        streamed = _evenly_spaced(n, streamed_count)
-        if sum(b for i, b in enumerate(group_bytes) if i not in streamed) <= budget:
-            return [i not in streamed for i in range(n)]
-    return [False] * n  # unreachable: with every group streamed nothing is resident
+    total = sum(group_bytes)
+    if budget >= total:
+        return [True] * len(group_bytes)
+    plans = _plans_by_resident_bytes(group_bytes, budget)
+    good_enough = max(resident for resident, _, _ in plans) - SPREAD_ALLOWANCE * budget
+    _, _, mask = min((p for p in plans if p[0] >= good_enough), key=lambda p: (p[1], -p[0]))
+    return [bool(mask >> i & 1) for i in range(len(group_bytes))]
 
 
-def _evenly_spaced(n: int, count: int) -> set[int]:
-    """``count`` indices out of ``range(n)``, each in the middle of its share of the range."""
-    return {int((j + 0.5) * n / count) for j in range(count)} if count else set()
+def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]:
+    """Complete plans within ``budget``: a dynamic programme over the groups in order that keeps,
+    per bucket of resident bytes, the plan with the smallest sum and the most even one.
+
+    Keeping the smallest sum per bucket is what makes the bound hold: for any choice of groups,
+    after ``i`` groups some kept plan has a resident sum at most ``i`` buckets below it, never above.
+    Plans that can no longer come within ``SPREAD_ALLOWANCE`` of the fullest are dropped; since
+    ``SPREAD_ALLOWANCE >= PRECISION``, that is never the plan the bound rests on.
+    """
+    total = sum(group_bytes)
+    bucket = max(1, int(PRECISION * budget / len(group_bytes)))
+    share = budget / total
+    plans: list[_Plan] = [(0, 0.0, 0)]
+    done = 0
+    for i, nbytes in enumerate(group_bytes):
+        done += nbytes
+        lowest: dict[int, _Plan] = {}
+        evenest: dict[int, _Plan] = {}
+        for resident, unevenness, mask in plans:
+            for kept, kept_mask in ((resident, mask), (resident + nbytes, mask | 1 << i)):
+                if kept > budget:
+                    continue
+                plan = (kept, unevenness + (share * done - kept) ** 2, kept_mask)
+                key = kept // bucket
+                if key not in lowest or plan[:2] < lowest[key][:2]:
+                    lowest[key] = plan
+                if key not in evenest or (plan[1], plan[0]) < (evenest[key][1], evenest[key][0]):
+                    evenest[key] = plan
+        plans = [*lowest.values(), *(plan for key, plan in evenest.items() if plan is not lowest[key])]
+        hopeless = max(resident for resident, _, _ in plans) - SPREAD_ALLOWANCE * budget - (total - done)
+        plans = [plan for plan in plans if plan[0] >= hopeless]
+    return plans
+
+
+def planned_slabs(streamed_groups: int, prefetch: int) -> int:
+    """Slabs the streamed groups cycle through: one running, ``prefetch`` being filled."""
+    return min(prefetch + 1, streamed_groups)
 
 
 def device_footprint(group_bytes: list[int], resident: list[bool], prefetch: int) -> int:
     """Device bytes held while sampling: the resident groups plus the slabs the streamed ones cycle through."""
     streamed = [b for b, r in zip(group_bytes, resident) if not r]
-    slabs = min(prefetch + 1, len(streamed))
+    slabs = planned_slabs(len(streamed), prefetch)
     return sum(b for b, r in zip(group_bytes, resident) if r) + slabs * max(streamed, default=0)

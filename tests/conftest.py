@@ -1,6 +1,8 @@
 """Fixtures on real ComfyUI: an in-process ComfyUI, fixture models and a live server (see comfy_env)."""
 from __future__ import annotations
 
+import gc
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from comfy_env import (
     use_models_in_process,
 )
 from fake_cudart import FakeCudart, install as install_fake_cudart
+from stream_checker import StreamChecker
 
 
 class _RepositoryIsNotATestPackage:
@@ -73,9 +76,24 @@ def comfy():
 
 
 @pytest.fixture
-def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     """ComfyUI pins through a recording stand-in for the CUDA runtime, as on a GPU machine (see fake_cudart)."""
-    return install_fake_cudart(monkeypatch.setattr)
+    import comfy.model_management as mm
+
+    yield install_fake_cudart(monkeypatch.setattr)
+    mm.unload_all_models()
+    gc.collect()  # what the test left behind unpins now, through the stand-in that pinned it
+
+
+@pytest.fixture
+def stream_checker(monkeypatch: pytest.MonkeyPatch) -> Iterator[StreamChecker]:
+    """The happens-before checker standing in for the CUDA runtime (see stream_checker); the default
+    pinner registers host memory with it too."""
+    active = StreamChecker()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: active.cudart)
+    with active:
+        yield active
+        gc.collect()  # mirrors the test left behind unpin now, through the stand-in that pinned them
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import apply_group_offload, handle_of, plan_residency
+from offload_core import apply_group_offload, handle_of
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -259,13 +259,6 @@ def test_bad_blocks():
     apply_group_offload(offloaded, offloaded.blocks[:3], "cpu")
     with pytest.raises(ValueError, match="already group-offloaded"):
         apply_group_offload(offloaded, offloaded.blocks[2:], "cpu")
-
-
-def test_residency_spreads_streamed_groups():
-    assert plan_residency([10] * 10, 70) == [True, False, True, True, True, False, True, True, False, True]
-    assert plan_residency([10] * 4, 0) == [False] * 4
-    assert plan_residency([10] * 4, 10**9) == [True] * 4
-    assert sum(plan_residency([7, 9, 8, 9], 17)) == 2
 
 
 def test_reapplying_adopts_the_packed_mirrors_without_copying():

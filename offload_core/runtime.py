@@ -1,0 +1,64 @@
+"""The device operations behind the engine's stream choreography, in one small object.
+
+``CudaRuntime`` is plain ``torch.cuda``. The tests pass a CPU stand-in with the same methods that
+checks every cross-stream access for a happens-before order (``tests/stream_checker.py``).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Runtime(Protocol):
+    """Streams, events and device allocations, as ``torch.cuda`` offers them for one device."""
+
+    def new_stream(self) -> Any: ...
+
+    def current_stream(self) -> Any: ...
+
+    def use_stream(self, stream: Any) -> AbstractContextManager: ...
+
+    def new_event(self, enable_timing: bool = False) -> Any: ...
+
+    def empty(self, nbytes: int) -> torch.Tensor: ...
+
+    def discard_last_error(self) -> None: ...
+
+
+class CudaRuntime:
+    """``torch.cuda`` on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream: torch.cuda.Stream) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, enable_timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def discard_last_error(self) -> None:
+        """Read and drop the runtime's last error (a refused ``cudaHostRegister`` leaves one).
+
+        Left there, torch's check after the next kernel launch (``cudaGetLastError``) would report
+        it as that kernel's failure. A tiny launch makes the check read it, and clear it, here.
+        """
+        try:
+            torch.zeros(1, device=self.device).add_(1)
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as error:
+            log.debug("discarded a CUDA error left by a refused host registration: %s", error)

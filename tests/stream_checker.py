@@ -1,0 +1,302 @@
+"""A CPU stand-in for the CUDA runtime that proves cross-stream accesses are ordered.
+
+``StreamChecker`` offers what the engine's ``Runtime`` needs (streams, ``wait_stream``, events with
+``record`` / ``wait_event`` / ``query``, device allocations) plus a ``cudart`` stand-in for host
+registration. Each stream keeps a vector clock: what it has waited for, directly or through
+events and other streams. Used as a context manager, it observes every aten op torch runs (a
+``TorchDispatchMode``) as a kernel on the current stream that reads its tensor arguments and writes
+the ones its schema marks as written; the ops run for real on the CPU.
+
+Accesses to memory it tracks (its device allocations, host buffers registered through its
+``cudart``) are checked, and a ``RaceError`` is raised (and kept in ``races``) for
+
+- a write not ordered after every earlier read and write of that memory on other streams;
+- a read not ordered after every earlier write of that memory on other streams;
+- unregistering host memory while a stream may still read it (the host has not waited).
+
+The allocator models CUDA's caching allocator: memory belongs to the pool of the stream that was
+current when it was allocated; once its tensors are gone it goes back to that pool, and the next
+allocation on that stream gets the same memory back, with its history of accesses — so writing it
+from another stream must first be ordered after the kernels that used it last.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST = "host"
+COMPUTE = "compute"
+
+#: Ops that look at tensors' metadata only (``param.data = view`` asks the first).
+METADATA_OPS = {torch.ops.aten._has_compatible_shallow_copy_type.default, torch.ops.aten.is_same_size.default}
+
+#: What cudaHostRegister returns for memory that is already registered.
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+class RaceError(AssertionError):
+    """Two accesses to the same memory that no stream or event orders."""
+
+
+class StaleCudaError(RuntimeError):
+    """A kernel launch found an error left behind by an earlier runtime call (torch's launch check)."""
+
+
+@dataclass
+class _Access:
+    lo: int
+    hi: int
+    stream: str
+    epoch: int
+    write: bool
+    op: str
+
+
+@dataclass
+class _Region:
+    """Tracked memory: a device block (live or in its pool) or a registered host buffer."""
+
+    name: str
+    lo: int
+    hi: int
+    history: list[_Access] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    region: _Region
+    memory: bytearray
+    owner: str  # the stream whose pool it belongs to
+
+
+class Stream:
+    def __init__(self, checker: "StreamChecker", name: str) -> None:
+        self.checker = checker
+        self.name = name
+
+    def wait_event(self, event: "Event") -> None:
+        if event.clock is not None:  # waiting for an event never recorded is a no-op, as in CUDA
+            self.checker._join(self.name, event.clock)
+
+    def wait_stream(self, other: "Stream") -> None:
+        self.checker._join(self.name, self.checker.clocks[other.name])
+
+    def synchronize(self) -> None:
+        self.checker._join(HOST, self.checker.clocks[self.name])
+
+    def query(self) -> bool:
+        self.synchronize()  # on the CPU the work is done: the host learns so
+        return True
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name})"
+
+
+class Event:
+    def __init__(self, checker: "StreamChecker") -> None:
+        self.checker = checker
+        self.clock: dict[str, int] | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.clock = dict(self.checker.clocks[(stream or self.checker.current).name])
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        if self.clock is not None:
+            self.checker._join(HOST, self.clock)
+
+    def elapsed_time(self, end: "Event") -> float:
+        return 0.0
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` for host registration: the real pinners' code runs against it."""
+
+    def __init__(self, checker: "StreamChecker") -> None:
+        self.checker = checker
+        self.refuse = False
+        self.registered: dict[int, int] = {}  # pointer -> bytes
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        if self.refuse or ptr in self.registered:
+            self.checker.last_error = "cudaErrorHostMemoryAlreadyRegistered"
+            return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.registered[ptr] = nbytes
+        self.checker._track(f"host buffer {ptr:#x}", ptr, ptr + nbytes)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        nbytes = self.registered.pop(ptr)
+        self.checker._host_write(ptr, ptr + nbytes, "cudaHostUnregister")
+        self.checker._untrack(ptr)
+        self.unregistered.append(ptr)
+        return 0
+
+
+class StreamChecker(TorchDispatchMode):
+    """The engine's ``Runtime`` on the CPU, checking happens-before for every tracked access."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clocks: dict[str, dict[str, int]] = {HOST: {HOST: 0}, COMPUTE: {COMPUTE: 0}}
+        self.current = Stream(self, COMPUTE)
+        self.races: list[str] = []
+        self.last_error: str | None = None
+        self.cudart = FakeCudart(self)
+        self.allocations = 0
+        self.reuses = 0
+        self._regions: list[_Region] = []  # sorted by ``lo``
+        self._live: list[tuple[_Block, StorageWeakRef]] = []
+        self._pools: list[_Block] = []
+
+    # --- Runtime ---------------------------------------------------------------------------
+
+    def new_stream(self) -> Stream:
+        name = f"side{len(self.clocks) - 1}"
+        self.clocks[name] = {name: 0}
+        return Stream(self, name)
+
+    def current_stream(self) -> Stream:
+        return self.current
+
+    @contextmanager
+    def use_stream(self, stream: Stream) -> Iterator[None]:
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def new_event(self, enable_timing: bool = False) -> Event:
+        return Event(self)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """Device memory from the current stream's pool: freed memory of that stream first."""
+        self._return_freed_blocks()
+        stream = self.current.name
+        fitting = [b for b in self._pools if b.owner == stream and len(b.memory) >= nbytes]
+        if fitting:
+            block = min(fitting, key=lambda b: len(b.memory))
+            self._pools.remove(block)
+            self.reuses += 1
+        else:
+            memory = bytearray(max(nbytes, 1))
+            lo = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+            block = _Block(self._track(f"device block {len(self._live) + len(self._pools)}", lo, lo + len(memory)),
+                           memory, stream)
+        self.allocations += 1
+        tensor = torch.frombuffer(block.memory, dtype=torch.uint8)[:nbytes]
+        self._live.append((block, StorageWeakRef(tensor.untyped_storage())))
+        return tensor
+
+    def discard_last_error(self) -> None:
+        self.last_error = None
+
+    # --- kernels ---------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._kernel(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _kernel(self, func, args: tuple, kwargs: dict) -> None:
+        if func in METADATA_OPS:
+            return
+        schema = func._schema
+        writes_any = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if not writes_any and any(r.alias_info is not None for r in schema.returns):
+            return  # a view: no memory is touched, no kernel launched
+        if self.last_error is not None:  # torch checks cudaGetLastError after each launch
+            error, self.last_error = self.last_error, None
+            raise StaleCudaError(f"CUDA error: {error} (reported by the launch of {func})")
+        accesses = []
+        for position, argument in enumerate(schema.arguments):
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            write = argument.alias_info is not None and argument.alias_info.is_write
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            accesses += [(*_span(t), write) for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+        tracked = [(lo, hi, write) for lo, hi, write in accesses if self._overlapping(lo, hi)]
+        if tracked:
+            stream = self.current.name
+            self._tick(stream)
+            for lo, hi, write in tracked:
+                self._access(stream, lo, hi, write, str(func))
+
+    # --- vector clocks ---------------------------------------------------------------------
+
+    def _tick(self, stream: str) -> None:
+        clock = self.clocks[stream]
+        clock[stream] += 1
+        clock[HOST] = max(clock.get(HOST, 0), self.clocks[HOST][HOST])  # issued after the host's earlier work
+
+    def _join(self, stream: str, other: dict[str, int]) -> None:
+        clock = self.clocks[stream]
+        for name, epoch in other.items():
+            if name != stream:
+                clock[name] = max(clock.get(name, 0), epoch)
+
+    def _ordered(self, stream: str, prior: _Access) -> bool:
+        return prior.stream == stream or self.clocks[stream].get(prior.stream, 0) >= prior.epoch
+
+    def _access(self, stream: str, lo: int, hi: int, write: bool, op: str) -> None:
+        for region in self._overlapping(lo, hi):
+            for prior in region.history:
+                if prior.hi <= lo or prior.lo >= hi or not (write or prior.write) or self._ordered(stream, prior):
+                    continue
+                self._race(f"{op} {'writes' if write else 'reads'} {region.name}[{lo - region.lo}:{hi - region.lo}] "
+                           f"on stream {stream}, not ordered after {prior.op}, which "
+                           f"{'wrote' if prior.write else 'read'} [{prior.lo - region.lo}:{prior.hi - region.lo}] "
+                           f"on stream {prior.stream}")
+            access = _Access(lo, hi, stream, self.clocks[stream][stream], write, op)
+            # What this access covers and is ordered after can never race with anything it does not.
+            region.history = [p for p in region.history if not (
+                lo <= p.lo and p.hi <= hi and (write or (p.stream == stream and not p.write)))]
+            region.history.append(access)
+
+    def _host_write(self, lo: int, hi: int, op: str) -> None:
+        self._tick(HOST)
+        self._access(HOST, lo, hi, True, op)
+
+    def _race(self, message: str) -> None:
+        self.races.append(message)
+        raise RaceError(message)
+
+    # --- tracked memory --------------------------------------------------------------------
+
+    def _track(self, name: str, lo: int, hi: int) -> _Region:
+        region = _Region(name, lo, hi)
+        bisect.insort(self._regions, region, key=lambda r: r.lo)
+        return region
+
+    def _untrack(self, lo: int) -> None:
+        self._regions = [r for r in self._regions if r.lo != lo]
+
+    def _overlapping(self, lo: int, hi: int) -> list[_Region]:
+        end = bisect.bisect_left(self._regions, hi, key=lambda r: r.lo)
+        return [r for r in self._regions[:end] if r.hi > lo]
+
+    def _return_freed_blocks(self) -> None:
+        """Blocks whose tensors are all gone go back to their stream's pool (history and all)."""
+        live = []
+        for block, storage in self._live:
+            if storage.expired():
+                self._pools.append(block)
+            else:
+                live.append((block, storage))
+        self._live = live
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` can touch: from its first element to past its last."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()

@@ -1,0 +1,135 @@
+"""The engine's stream path under the happens-before checker (tests/stream_checker.py).
+
+The checker stands in for the CUDA runtime only: the engine's code, torch's kernels and the
+default ``CudaHostRegister`` pinner run for real on the CPU, and every cross-stream access to a
+slab, a resident buffer or a pinned mirror must be ordered by the engine's waits and events.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from offload_core import CudaHostRegister, apply_group_offload
+from offload_core.runtime import CudaRuntime
+from stream_checker import StreamChecker
+from test_core_engine import make_pair
+
+
+@pytest.fixture
+def checker(stream_checker):
+    yield stream_checker
+    assert stream_checker.races == []
+
+
+def offload(model: nn.Module, checker: StreamChecker, **kwargs):
+    return apply_group_offload(model, model.blocks, "cpu", runtime=checker, **kwargs)
+
+
+@pytest.mark.parametrize("blocks_per_group", [1, 2, 4])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("resident_share", [0.0, 0.5, 1.0])
+def test_every_setting_is_ordered(checker, blocks_per_group, prefetch, resident_share):
+    reference, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, blocks_per_group=blocks_per_group, prefetch=prefetch)
+    handle.set_resident_bytes(int(resident_share * sum(g.nbytes for g in handle.groups)))
+    stats = handle.stats()
+    assert stats["pinned_bytes"] == stats["streamed_bytes_per_pass"], "every streamed group pinned, no resident one"
+    with torch.inference_mode():
+        expected = reference(x)
+        handle.onload_resident()
+        for _ in range(3):
+            assert torch.equal(offloaded(x), expected)
+        handle.release_device_memory()  # mid-run, prefetched copies in flight: the next pass reuses the memory
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+    assert checker.reuses > 0, "freed device memory was handed out again"
+    handle.remove()
+    assert checker.cudart.registered == {}, "every mirror unpinned"
+
+
+def test_out_of_order_execution_is_ordered(checker):
+    reference, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, prefetch=2)
+    with torch.no_grad():
+        for order in (None, None, [5, 4, 3, 2, 1, 0], [0, 2, 4], [1, 1, 3], None):
+            reference.order = offloaded.order = order
+            assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["sync_onloads"] > 0
+
+
+def test_remove_mid_run_unpins_after_the_copies(checker):
+    reference, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, prefetch=2)
+    with torch.inference_mode():
+        offloaded(x), offloaded(x)  # leaves prefetched copies from the mirrors in flight
+        assert any(g.onloaded for g in handle.groups)
+        handle.remove()
+        assert checker.cudart.registered == {} and len(checker.cudart.unregistered) == len(handle.groups)
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_onload_patches_are_ordered(checker):
+    reference, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, blocks_per_group=2, prefetch=1)
+    handle.set_onload_patch(lambda name, w: w * 2, ["blocks.2.attn.weight", "blocks.5.mlp.0.bias"])
+    reference.blocks[2].attn.weight.data.mul_(2)
+    reference.blocks[5].mlp[0].bias.data.mul_(2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+
+
+def test_grad_modes_on_the_stream_path(checker):
+    reference, offloaded, x = make_pair("cpu")
+    with torch.inference_mode():
+        handle = offload(offloaded, checker, prefetch=1)
+        assert torch.equal(offloaded(x), reference(x))
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    handle.remove()
+    offloaded(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for mine, theirs in zip(offloaded.blocks.parameters(), reference.blocks.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_refused_pin_leaves_no_cuda_error_behind(checker, caplog):
+    reference, offloaded, x = make_pair("cpu")
+    checker.cudart.refuse = True
+    caplog.set_level(logging.INFO, logger="offload_core")
+    handle = offload(offloaded, checker)
+    assert handle.stats()["pinned_bytes"] == 0
+    assert "pinning was refused" in caplog.text
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x)), "no stale error surfaced at a kernel launch"
+
+
+def test_wait_timers_stay_bounded_when_nobody_reads_stats(checker):
+    from offload_core.ledger import FOLD_WAITS_AT
+
+    _, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, prefetch=1)
+    with torch.no_grad():
+        for _ in range(15):  # 90 waits, past FOLD_WAITS_AT
+            offloaded(x)
+    assert handle.ledger.hook_calls == 15 * len(handle.groups)
+    assert len(handle.ledger._wait_events) <= FOLD_WAITS_AT
+    assert handle.stats()["compute_wait_ms"] == 0.0
+
+
+@pytest.mark.cuda
+def test_a_refused_registration_leaves_no_error_on_a_real_gpu():
+    buffer = torch.ones(1 << 20, dtype=torch.uint8)
+    pinner = CudaHostRegister()
+    assert pinner.pin(buffer)
+    try:
+        assert not pinner.pin(buffer), "registering twice is refused"
+        CudaRuntime(torch.device("cuda")).discard_last_error()
+        assert torch.ones(4, device="cuda").add_(1).sum().item() == 8, "no stale error at this launch"
+    finally:
+        pinner.unpin(buffer)
