@@ -212,6 +212,7 @@ class GroupOffloadHandle:
 
         return offloaded_forward
 
+    @torch.compiler.disable
     def _enter(self, group: ModuleGroup) -> None:
         if group.index in self._active:
             return  # a later block of a group that is already running
@@ -231,6 +232,7 @@ class GroupOffloadHandle:
                     break
         self.ledger.record_hook(time.perf_counter() - started, entered=True)
 
+    @torch.compiler.disable
     def _exit(self, group: ModuleGroup) -> None:
         started = time.perf_counter()
         self._active.discard(group.index)
