@@ -7,6 +7,10 @@ Per group, per forward (each block's ``forward`` is wrapped):
 - ``_exit`` (after its last block ran): point the modules back at the host mirror — no
   device-to-host copy, the host already holds the weights — and hand the slab back.
 
+Both stay out of torch.compile graphs (``torch.compiler.disable``): a compiled model breaks its graph
+at them, and each block's forward compiles on its own, once for all blocks of its class, since every
+device view keeps its dtype, shape and stride whichever slab it lies in.
+
 Stream choreography on CUDA (the only cross-stream ordering there is):
 
 - ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream

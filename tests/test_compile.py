@@ -18,6 +18,8 @@ from torch._dynamo.utils import counters
 
 from comfy_env import run_node, run_txt2img
 from lora_fixture import make_lora
+from offload_core import apply_group_offload
+from test_core_engine import make_pair
 from test_nodes import load_offloaded, load_plain, models, offload, with_lora  # noqa: F401  (models: a fixture)
 
 
@@ -84,6 +86,25 @@ def compiled_reference(models) -> torch.Tensor:  # noqa: F811
 def block_compiled_reference(models) -> torch.Tensor:  # noqa: F811
     torch._dynamo.reset()
     return latent(compile_blocks(load_plain()))
+
+
+@pytest.mark.parametrize("granularity", ["model", "blocks"])
+def test_offload_core_compiles_once_on_a_plain_torch_model(granularity):
+    """offload_core alone (as diffusers users would apply it): six blocks streamed through two slabs."""
+    reference, offloaded, x = make_pair("cpu")
+    apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    if granularity == "model":
+        reference, offloaded = torch.compile(reference), torch.compile(offloaded)
+    else:
+        for block in (*reference.blocks, *offloaded.blocks):
+            block.compile()
+    with torch.inference_mode():
+        expected = reference(x)
+        compare = torch.equal if granularity == "blocks" else torch.allclose  # a whole graph fuses across blocks
+        assert compare(offloaded(x), expected)
+        with nothing_compiled():
+            for _ in range(2):
+                assert compare(offloaded(x), expected)
 
 
 GRAPHS = {
