@@ -8,11 +8,12 @@ Three modes per model, all whole-model ComfyUI ``TorchCompileModel`` (inductor) 
 
 Each model is timed in its own process: rounds in which the three modes take turns
 (so that both pairs, compiled+offloaded ÷ compiled and compiled+offloaded ÷ eager+offloaded, are
-measured side by side in one run), seconds per step = a run's wall time ÷ its steps; ratios are
+measured side by side in one run); a step's time is the mean time of the diffusion model's calls
+(cond and uncond are batched: one call per step), without loading and sampler overhead; ratios are
 medians over the rounds of the per-round ratios; the rounds must compile nothing (counted).  Then the
 compile time of each compiled mode, its first run minus its steady run, in fresh processes: ``cold``
 with an empty inductor cache (every kernel generated and built by the C++ compiler), ``warm`` in a
-second process on that cache (a restarted ComfyUI).
+second process on that cache (a restarted ComfyUI).  torch runs one intra-op thread throughout.
 
 Prints the table, replaces the "CPU: torch.compile" section of BENCHMARKS.md (``--no-write`` to
 keep it) and writes ``.artifacts/bench/compile_benchmark.json``.
@@ -40,6 +41,7 @@ sys.path += [str(REPO_ROOT / "tests"), str(BENCH_DIR)]
 
 import torch  # noqa: E402
 
+from cpu_benchmark import ForwardLog  # noqa: E402
 from reporting import fmt, markdown_table, replace_section  # noqa: E402
 
 log = logging.getLogger("compile_benchmark")
@@ -105,19 +107,24 @@ def _builders(unet_name: str) -> dict[str, Callable[[], Any]]:
             "eager+offloaded": lambda: offloaded(plain())}
 
 
-def _timed_run(model: Any, case: ModelCase) -> tuple[float, torch.Tensor]:
+def _timed_run(model: Any, case: ModelCase) -> tuple[float, float, torch.Tensor]:
+    """One sampling run: its wall time, the mean time of one diffusion-model call (one step), its latent."""
     from comfy_env import run_txt2img
 
+    forwards = ForwardLog(model.model.diffusion_model, lambda: None)
     started = time.perf_counter()
-    latent = run_txt2img(model, seed=3, steps=case.steps, width=case.size, height=case.size).latent
-    return time.perf_counter() - started, latent
+    try:
+        latent = run_txt2img(model, seed=3, steps=case.steps, width=case.size, height=case.size).latent
+    finally:
+        forwards.remove()
+    return time.perf_counter() - started, statistics.mean(f.seconds for f in forwards.forwards), latent
 
 
 def compile_worker(case: ModelCase, mode: str) -> dict[str, float]:
     """The first run's wall time beyond a steady run's: tracing, and building kernels the cache lacks."""
     with tempfile.TemporaryDirectory(prefix="compile_bench_") as tmp:
         model = _builders(_boot(case, Path(tmp)))[mode]()
-        first, _ = _timed_run(model, case)
+        first = _timed_run(model, case)[0]
         steady = min(_timed_run(model, case)[0] for _ in range(2))
         return {"compile_s": first - steady}
 
@@ -135,8 +142,8 @@ def timing_worker(case: ModelCase, rounds: int) -> dict[str, Any]:
         latents: dict[str, torch.Tensor] = {}
         for _ in range(rounds):
             for mode in MODES:
-                wall, latents[mode] = _timed_run(models[mode], case)
-                seconds[mode].append(wall / case.steps)
+                _, step, latents[mode] = _timed_run(models[mode], case)
+                seconds[mode].append(step)
         return {
             "case": asdict(case),
             "rounds": rounds,
@@ -198,12 +205,13 @@ def section(results: dict[str, dict[str, Any]], command: str, elapsed: float) ->
     first = next(iter(results.values()))
     return "\n\n".join([
         f"Measured by `{command}` on {datetime.date.today()}, {elapsed / 60:.1f} min; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; load average "
+        f"{os.cpu_count()} cores (one intra-op thread), Python {platform.python_version()}, torch {torch.__version__}; load average "
         f"{load:.1f} when it ended. ComfyUI runs with `--cpu`: inductor generates C++ kernels, and every offload "
         f"copy is host-to-host.",
         f"Whole-model `TorchCompileModel` (inductor), Group Offload with `stream_all`, prefetch 1; euler, CFG 4, "
-        f"{first['case']['steps']} steps per run, cond and uncond batched; {first['rounds']} rounds in which the "
-        f"three modes take turns; ratios are medians of the per-round ratios.",
+        f"{first['case']['steps']} steps per run, cond and uncond batched (one diffusion-model call per step, timed "
+        f"from its entry to its exit); {first['rounds']} rounds in which the three modes take turns; ratios are "
+        f"medians of the per-round ratios.",
         markdown_table(HEADERS, [summarize(r) for r in results.values()]),
         "Compile time is a compiled mode's first run minus its steady run, each in a fresh process: *cold* with "
         "an empty inductor cache, *warm* on the cache the cold run filled (a restarted ComfyUI). *frames compiled once "
@@ -220,6 +228,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", choices=tuple(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # steadier on a shared machine; the same for every mode
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.worker:
         case = CASES[args.model]
