@@ -215,7 +215,10 @@ def section(results: dict[str, dict[str, Any]], command: str, elapsed: float) ->
         markdown_table(HEADERS, [summarize(r) for r in results.values()]),
         "Compile time is a compiled mode's first run minus its steady run, each in a fresh process: *cold* with "
         "an empty inductor cache, *warm* on the cache the cold run filled (a restarted ComfyUI). *frames compiled once "
-        "warm* counts what torch.compile compiled during the timed rounds (torch._dynamo's frame counter).",
+        "warm* counts what torch.compile compiled during the timed rounds (torch._dynamo's frame counter). "
+        "On a CPU every streamed group is copied host-to-host at every step, and compiling cannot shorten a "
+        "copy: compiled+offloaded ÷ compiled is that copy time, not a cost of compiling; compiled+offloaded ÷ "
+        "eager+offloaded is what compiling gains on the compute. No GPU figure stands behind these ratios.",
     ])
 
 
