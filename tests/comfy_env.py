@@ -120,7 +120,7 @@ def _load_custom_node(nodes_module: ModuleType, module_dir: Path) -> bool:
     return bool(_run_maybe_async(nodes_module.load_custom_node(str(module_dir), module_parent="custom_nodes")))
 
 
-def _pack_dir() -> Path:
+def pack_dir() -> Path:
     """The pack as ComfyUI sees it: the custom_nodes link dev.py made, else the repository itself."""
     link = comfyui_path() / "custom_nodes" / PACK_DIR_NAME
     if link.exists() and link.resolve() == REPO_ROOT:
@@ -156,8 +156,8 @@ def boot_comfyui_in_process(cpu: bool | None = None) -> ModuleType:
 
     if not _load_custom_node(nodes, TESTNODES_DIR):
         raise RuntimeError(f"ComfyUI could not load the test nodes in {TESTNODES_DIR}; see the log above")
-    if (REPO_ROOT / "__init__.py").is_file() and not _load_custom_node(nodes, _pack_dir()):
-        logger.error("ComfyUI could not load this pack from %s; its nodes are missing", _pack_dir())
+    if (REPO_ROOT / "__init__.py").is_file() and not _load_custom_node(nodes, pack_dir()):
+        logger.error("ComfyUI could not load this pack from %s; its nodes are missing", pack_dir())
     _booted_nodes = nodes
     return nodes
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from comfy_env import PACK_DIR_NAME, boot_comfyui_in_process
+from comfy_env import boot_comfyui_in_process, pack_dir
 
 
 def pack_module(dotted: str) -> ModuleType:
     """``pack_module("nodes.memory")``: that module of the custom node ComfyUI loaded."""
     boot_comfyui_in_process()
-    suffix = f"{PACK_DIR_NAME}.{dotted}"
+    suffix = f"{pack_dir().name}.{dotted}"  # the folder name ComfyUI loaded it under
     found = [m for name, m in sys.modules.items() if name.endswith(suffix)]
     if len(found) != 1:
         raise LookupError(f"expected one loaded module ending in {suffix!r}, found {len(found)}")
