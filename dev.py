@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 import zipfile
@@ -35,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"
-ARTIFACTS = ROOT / ".artifacts"
 PACK_NAME = "comfyui-group-offload"
 
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
@@ -155,8 +155,7 @@ def _link_pack(comfyui: Path) -> None:
     link.symlink_to(ROOT, target_is_directory=True)
 
 
-def _upstream_missing() -> str:
-    return f"ComfyUI {UPSTREAM.version} is skipped: its source tarball is missing ({UPSTREAM_TARBALL})"
+UPSTREAM_MISSING = f"ComfyUI {UPSTREAM.version} not run: its source tarball is missing ({UPSTREAM_TARBALL})"
 
 
 def _selected(requested: str | None, command: str) -> list[ComfyUIVersion]:
@@ -165,12 +164,12 @@ def _selected(requested: str | None, command: str) -> list[ComfyUIVersion]:
         if requested not in VERSIONS:
             raise SystemExit(f"--comfyui must be one of {', '.join(VERSIONS)}, not {requested!r}.")
         if VERSIONS[requested] is UPSTREAM and not UPSTREAM_TARBALL.exists():
-            raise SystemExit(_upstream_missing())
+            raise SystemExit(UPSTREAM_MISSING)
         return [VERSIONS[requested]]
     if command not in ("setup", "test"):
         return [EMBEDDED]
     if not UPSTREAM_TARBALL.exists():
-        print(_upstream_missing(), flush=True)
+        print(UPSTREAM_MISSING, flush=True)
         return [EMBEDDED]
     return [EMBEDDED, UPSTREAM]
 
@@ -224,24 +223,39 @@ def _junit_counts(report: Path) -> dict[str, int]:
 
 
 def _test(python: Path, comfyui: Path, name: str, pytest_args: list[str]) -> TestRun:
-    report = ARTIFACTS / f"junit-{comfyui.name}.xml"
-    report.unlink(missing_ok=True)
     print(f"\n===== {name}: {comfyui} =====", flush=True)
     started = time.monotonic()
-    command = [str(python), "-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"),
-               f"--junitxml={report}", *pytest_args]
-    returncode = subprocess.run(command, cwd=ROOT, env=_env(comfyui)).returncode
-    return TestRun(name, returncode, time.monotonic() - started, _junit_counts(report))
+    with tempfile.TemporaryDirectory(prefix="group-offload-junit-") as folder:
+        report = Path(folder) / "junit.xml"
+        command = [str(python), "-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"),
+                   f"--junitxml={report}", *pytest_args]
+        returncode = subprocess.run(command, cwd=ROOT, env=_env(comfyui)).returncode
+        return TestRun(name, returncode, time.monotonic() - started, _junit_counts(report))
 
 
-def _report(runs: list[TestRun]) -> int:
+def _report(runs: list[TestRun], not_run: str | None) -> int:
     print("\n===== results =====")
     for run in runs:
         print(run.summary())
+    if not_run:
+        print(not_run)
     if len(runs) > 1:
         total = {what: sum(run.counts.get(what, 0) for run in runs) for what in ("passed", "failed", "skipped")}
         print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return next((run.returncode for run in runs if run.returncode != 0), 0)
+
+
+def _custom_checkout(requested: str | None) -> Path | None:
+    """The checkout of ``$COMFYUI_PATH`` (with ``.venv`` set up and the pack linked), or None."""
+    custom = os.environ.get("COMFYUI_PATH")
+    if not custom:
+        return None
+    if requested is not None:
+        raise SystemExit("Give either COMFYUI_PATH or --comfyui, not both.")
+    EMBEDDED.setup()
+    comfyui = Path(custom).resolve()
+    _link_pack(comfyui)
+    return comfyui
 
 
 def main(argv: list[str]) -> int:
@@ -251,24 +265,22 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     requested, rest = _pop_option(rest, "--comfyui")
-    custom = os.environ.get("COMFYUI_PATH")
-    if custom:
-        EMBEDDED.setup()
-        comfyui, targets = Path(custom).resolve(), []
-        _link_pack(comfyui)
+    custom = _custom_checkout(requested)
+    if custom is not None:
+        runs = [(EMBEDDED.python, custom, f"ComfyUI at {custom}")]
     else:
         targets = _selected(requested, command)
         for target in targets:
             target.setup()
+        runs = [(target.python, target.comfyui, target.name) for target in targets]
     if command == "setup":
-        for target in targets:
-            print(f"{target.name}: {target.comfyui}, python {target.python}")
+        for python, comfyui, name in runs:
+            print(f"{name}: {comfyui}, python {python}")
         return 0
     if command == "test":
-        if custom:
-            return _report([_test(EMBEDDED.python, comfyui, f"ComfyUI at {comfyui}", rest)])
-        return _report([_test(t.python, t.comfyui, t.name, rest) for t in targets])
-    python, comfyui = (EMBEDDED.python, comfyui) if custom else (targets[0].python, targets[0].comfyui)
+        not_run = UPSTREAM_MISSING if custom is None and requested is None and not UPSTREAM_TARBALL.exists() else None
+        return _report([_test(python, comfyui, name, rest) for python, comfyui, name in runs], not_run)
+    python, comfyui, _ = runs[0]
     return subprocess.run([str(python), str(scripts[command]), *rest], cwd=ROOT, env=_env(comfyui)).returncode
 
 
