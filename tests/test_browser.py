@@ -88,6 +88,11 @@ class ConsoleLog:
     def on_request_failed(self, request) -> None:
         self.failed_requests.append(f"{request.method} {request.url}: {request.failure}")
 
+    def on_response(self, response) -> None:
+        """A rejected API call (ComfyUI answers 4xx/5xx with a JSON body that says why) is kept with its body."""
+        if response.status >= 400 and "/api/" in response.url:
+            self.failed_requests.append(f"{response.request.method} {response.url}: {response.status} {response.text()[:4000]}")
+
     def take_errors(self) -> list[str]:
         errors, self.errors = self.errors, []
         return errors
@@ -184,6 +189,7 @@ def browser_page(chromium: str, comfy_server: ComfyServer) -> Iterator[BrowserPa
             page.on("console", console.on_console)
             page.on("pageerror", console.on_page_error)
             page.on("requestfailed", console.on_request_failed)
+            page.on("response", console.on_response)
             # The "Introducing Nodes 2.0" banner is dismissed in local storage.
             page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
             page.goto(comfy_server.url, timeout=PAGE_TIMEOUT_MS)
@@ -196,8 +202,11 @@ def browser_page(chromium: str, comfy_server: ComfyServer) -> Iterator[BrowserPa
                     } catch {
                         return false;  // frontend 1.49 throws from app.extensions until its stores exist
                     }
+                    // After set-up the frontend loads its first workflow, which would replace a graph
+                    // built before it: wait until that workflow is the active one.
                     return app?.canvas && window.LiteGraph?.registered_node_types?.GroupOffloadReport
-                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report");
+                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report")
+                        && app.extensionManager?.workflow?.activeWorkflow != null;
                 }""",
                 timeout=PAGE_TIMEOUT_MS)
             yield BrowserPage(page, console)
@@ -349,8 +358,9 @@ def _save_artifact(name: str, data: object) -> None:
     (ARTIFACTS / name).write_text(json.dumps(data, indent=2))
 
 
-def _run_in_page(page: Page, workflow: Workflow, name: str) -> tuple[dict, dict, dict]:
+def _run_in_page(browser: BrowserPage, workflow: Workflow, name: str) -> tuple[dict, dict, dict]:
     """Build, load and queue ``workflow``; returns the node ids, the API prompt and the state after the run."""
+    page = browser.page
     built = page.evaluate(BUILD_WORKFLOW_JS, asdict(workflow))
     ids = built["ids"]
     _save_artifact(f"{name}_workflow.json", built["workflow"])
@@ -359,7 +369,7 @@ def _run_in_page(page: Page, workflow: Workflow, name: str) -> tuple[dict, dict,
     page.wait_for_timeout(300)  # let the canvas draw the final figures
     state = page.evaluate(READ_STATE_JS, ids)
     _save_artifact(f"{name}_state.json", state)
-    assert state["run"]["done"]["ok"], state["run"]["done"]
+    assert state["run"]["done"]["ok"], (state["run"]["done"], browser.console.failed_requests)
     return ids, prompt, state
 
 
@@ -403,7 +413,7 @@ def _finish(page: Page, console: ConsoleLog, screenshot: Path, started: float) -
 def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage, comfy_server: ComfyServer):
     started = time.monotonic()
     workflow = offload_workflow(comfy_server.models.unet_name, comfy_server.models.vae_name, STEPS)
-    ids, prompt, state = _run_in_page(browser_page.page, workflow, "group_offload")
+    ids, prompt, state = _run_in_page(browser_page, workflow, "group_offload")
 
     # The loaded UI workflow is the prompt the test bed's API-format workflows describe.
     assert prompt[ids["offload"]]["class_type"] == "GroupOffload"
@@ -420,7 +430,7 @@ def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage,
 def test_loader_node_shows_the_readout_too(browser_page: BrowserPage, comfy_server: ComfyServer):
     started = time.monotonic()
     steps = 2
-    ids, prompt, state = _run_in_page(browser_page.page, loader_workflow(comfy_server.models.unet_name, steps),
+    ids, prompt, state = _run_in_page(browser_page, loader_workflow(comfy_server.models.unet_name, steps),
                                       "group_offload_loader")
     assert prompt[ids["offload"]]["class_type"] == "GroupOffloadLoader"
     _check_figures(ids, state, steps)
