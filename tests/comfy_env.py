@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -70,6 +71,13 @@ def comfyui_path() -> Path:
     """The ComfyUI checkout in use: ``$COMFYUI_PATH``, else the embedded ``.comfyui`` of this repo."""
     configured = os.environ.get("COMFYUI_PATH")
     return Path(configured).resolve() if configured else EMBEDDED_COMFYUI.resolve()
+
+
+def comfyui_version() -> str:
+    """The version the ComfyUI checkout in use declares (``comfyui_version.py``), or "unknown"."""
+    version_file = comfyui_path() / "comfyui_version.py"
+    match = version_file.is_file() and re.search(r'__version__\s*=\s*"([^"]+)"', version_file.read_text())
+    return match.group(1) if match else "unknown"
 
 
 def default_cpu() -> bool:

@@ -15,6 +15,8 @@ from comfy_env import (
     ComfyServer,
     ModelDir,
     boot_comfyui_in_process,
+    comfyui_path,
+    comfyui_version,
     find_chromium,
     full_width_qwen_image_file,
     populate_models,
@@ -45,6 +47,10 @@ class _RepositoryIsNotATestPackage:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_RepositoryIsNotATestPackage(), "group-offload-repository-root")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"ComfyUI {comfyui_version()} at {comfyui_path()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,8 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 PACK_URL = "/extensions/comfyui-group-offload/"
-ARTIFACTS = ARTIFACTS_DIR / "browser"
+FRONTEND_VERSION = importlib.metadata.version("comfyui_frontend_package")
+ARTIFACTS = ARTIFACTS_DIR / "browser" / f"frontend-{FRONTEND_VERSION}"  # one folder per ComfyUI version
 SCREENSHOT = ARTIFACTS / "group_offload.png"
 STEPS = 4
 PAGE_TIMEOUT_MS = 120_000
@@ -46,7 +47,7 @@ RUN_TIMEOUT_MS = 240_000
 # frontend does not ask api.comfy.org for release notes.
 USER_SETTINGS = {
     "Comfy.TutorialCompleted": True,
-    "Comfy.InstalledVersion": importlib.metadata.version("comfyui_frontend_package"),
+    "Comfy.InstalledVersion": FRONTEND_VERSION,
     "Comfy.Notification.ShowVersionUpdates": False,
     "Comfy.VueNodes.Enabled": False,  # the LiteGraph canvas, where onDrawForeground draws
 }
@@ -87,6 +88,11 @@ class ConsoleLog:
     def on_request_failed(self, request) -> None:
         self.failed_requests.append(f"{request.method} {request.url}: {request.failure}")
 
+    def on_response(self, response) -> None:
+        """A rejected API call (ComfyUI answers 4xx/5xx with a JSON body that says why) is kept with its body."""
+        if response.status >= 400 and "/api/" in response.url:
+            self.failed_requests.append(f"{response.request.method} {response.url}: {response.status} {response.text()[:4000]}")
+
     def take_errors(self) -> list[str]:
         errors, self.errors = self.errors, []
         return errors
@@ -96,17 +102,35 @@ def _is_loopback(url: str) -> bool:
     return urllib.parse.urlsplit(url).hostname in {"127.0.0.1", "localhost", "::1"}
 
 
+def _settings_onchange_error(text: str) -> bool:
+    """Frontend 1.32.x: useRenderModeSetting sets 'LiteGraph.Canvas.MinFontSizeForLOD' before the core
+    settings are registered, and the setting store's onChange reads the id of the missing definition
+    ("Cannot read properties of undefined (reading 'id')" at onChange < Proxy.set < load in GraphView-*.js)."""
+    return (text.startswith("TypeError: Cannot read properties of undefined (reading 'id')")
+            and re.search(r"at onChange .*\n\s+at Proxy\.set .*\n(?:.*\n)*?\s+at load \(.*/GraphView-[^/]*\.js", text) is not None)
+
+
+def _graph_before_initialization_error(text: str) -> bool:
+    """Frontend 1.49.x: its own start-up reads ``app.rootGraph`` before the graph exists, which logs this."""
+    return text == "ComfyApp graph accessed before initialization"
+
+
+# The frontend's own start-up errors, by frontend release ("major.minor"): each is logged on every
+# page load, also with --disable-all-custom-nodes, so it says nothing about this pack.
+FRONTEND_STARTUP_ERRORS: dict[str, Callable[[str], bool]] = {
+    "1.32": _settings_onchange_error,
+    "1.49": _graph_before_initialization_error,
+}
+FRONTEND_RELEASE = ".".join(FRONTEND_VERSION.split(".")[:2])
+
+
 def _is_environmental(message: ConsoleMessage) -> bool:
     """The console errors these tests ignore; each is named and explained here.
 
     1. "Failed to load resource" for a host other than loopback: the machine has no network; the
        frontend and Chromium may still try (the settings above stop the release-notes request).
     2. "Failed to load resource" 404 for a path of LOOPBACK_404_IGNORED.
-    3. ComfyUI frontend 1.32.x's own start-up error: useRenderModeSetting sets
-       'LiteGraph.Canvas.MinFontSizeForLOD' before the core settings are registered, and the
-       setting store's onChange reads the id of the missing definition ("Cannot read properties of
-       undefined (reading 'id')" at onChange < Proxy.set < load in GraphView-*.js). It happens on every
-       page load, also with --disable-all-custom-nodes.
+    3. The start-up error of the frontend release in use, from FRONTEND_STARTUP_ERRORS.
     """
     url = message.location.get("url", "")
     text = message.text
@@ -114,8 +138,8 @@ def _is_environmental(message: ConsoleMessage) -> bool:
         if not _is_loopback(url):
             return True
         return "404" in text and urllib.parse.urlsplit(url).path in LOOPBACK_404_IGNORED
-    return (text.startswith("TypeError: Cannot read properties of undefined (reading 'id')")
-            and re.search(r"at onChange .*\n\s+at Proxy\.set .*\n(?:.*\n)*?\s+at load \(.*/GraphView-[^/]*\.js", text) is not None)
+    known_startup_error = FRONTEND_STARTUP_ERRORS.get(FRONTEND_RELEASE)
+    return known_startup_error is not None and known_startup_error(text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,15 +189,24 @@ def browser_page(chromium: str, comfy_server: ComfyServer) -> Iterator[BrowserPa
             page.on("console", console.on_console)
             page.on("pageerror", console.on_page_error)
             page.on("requestfailed", console.on_request_failed)
+            page.on("response", console.on_response)
             # The "Introducing Nodes 2.0" banner is dismissed in local storage.
             page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
             page.goto(comfy_server.url, timeout=PAGE_TIMEOUT_MS)
             page.wait_for_function(
                 """() => {
                     const app = window.comfyAPI?.app?.app;
-                    const names = app?.extensions?.map((e) => e.name) ?? [];
+                    let names;
+                    try {
+                        names = app?.extensions?.map((e) => e.name) ?? [];
+                    } catch {
+                        return false;  // frontend 1.49 throws from app.extensions until its stores exist
+                    }
+                    // After set-up the frontend loads its first workflow, which would replace a graph
+                    // built before it: wait until that workflow is the active one.
                     return app?.canvas && window.LiteGraph?.registered_node_types?.GroupOffloadReport
-                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report");
+                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report")
+                        && app.extensionManager?.workflow?.activeWorkflow != null;
                 }""",
                 timeout=PAGE_TIMEOUT_MS)
             yield BrowserPage(page, console)
@@ -325,8 +358,9 @@ def _save_artifact(name: str, data: object) -> None:
     (ARTIFACTS / name).write_text(json.dumps(data, indent=2))
 
 
-def _run_in_page(page: Page, workflow: Workflow, name: str) -> tuple[dict, dict, dict]:
+def _run_in_page(browser: BrowserPage, workflow: Workflow, name: str) -> tuple[dict, dict, dict]:
     """Build, load and queue ``workflow``; returns the node ids, the API prompt and the state after the run."""
+    page = browser.page
     built = page.evaluate(BUILD_WORKFLOW_JS, asdict(workflow))
     ids = built["ids"]
     _save_artifact(f"{name}_workflow.json", built["workflow"])
@@ -335,7 +369,7 @@ def _run_in_page(page: Page, workflow: Workflow, name: str) -> tuple[dict, dict,
     page.wait_for_timeout(300)  # let the canvas draw the final figures
     state = page.evaluate(READ_STATE_JS, ids)
     _save_artifact(f"{name}_state.json", state)
-    assert state["run"]["done"]["ok"], state["run"]["done"]
+    assert state["run"]["done"]["ok"], (state["run"]["done"], browser.console.failed_requests)
     return ids, prompt, state
 
 
@@ -379,7 +413,7 @@ def _finish(page: Page, console: ConsoleLog, screenshot: Path, started: float) -
 def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage, comfy_server: ComfyServer):
     started = time.monotonic()
     workflow = offload_workflow(comfy_server.models.unet_name, comfy_server.models.vae_name, STEPS)
-    ids, prompt, state = _run_in_page(browser_page.page, workflow, "group_offload")
+    ids, prompt, state = _run_in_page(browser_page, workflow, "group_offload")
 
     # The loaded UI workflow is the prompt the test bed's API-format workflows describe.
     assert prompt[ids["offload"]]["class_type"] == "GroupOffload"
@@ -396,7 +430,7 @@ def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage,
 def test_loader_node_shows_the_readout_too(browser_page: BrowserPage, comfy_server: ComfyServer):
     started = time.monotonic()
     steps = 2
-    ids, prompt, state = _run_in_page(browser_page.page, loader_workflow(comfy_server.models.unet_name, steps),
+    ids, prompt, state = _run_in_page(browser_page, loader_workflow(comfy_server.models.unet_name, steps),
                                       "group_offload_loader")
     assert prompt[ids["offload"]]["class_type"] == "GroupOffloadLoader"
     _check_figures(ids, state, steps)
