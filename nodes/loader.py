@@ -7,18 +7,21 @@ group's first allocation is released as soon as its mirror is filled.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
 import os
 import re
 from pathlib import Path
+from typing import Iterator
 
 import safetensors
 import torch
 from torch import nn
 
 import comfy.model_detection
+import comfy.model_management as mm
 import comfy.sd
 import comfy.utils
 
@@ -174,7 +177,9 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     # Newest ComfyUI takes the offload device from the options: under --gpu-only / --highvram its
     # default is the GPU, where it would move the whole model (0.3.75 always uses its default).
     model_options = {**model_options, "offload_device": torch.device("cpu")}
-    patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, metadata=st.metadata, **extra)
+    with _offload_device_on_the_cpu():
+        patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options,
+                                                           metadata=st.metadata, **extra)
     if patcher is None:
         raise RuntimeError(f"ERROR: Could not detect model type of: {path}")
     del state_dict
@@ -193,6 +198,22 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
         offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded
+
+
+@contextlib.contextmanager
+def _offload_device_on_the_cpu() -> Iterator[None]:
+    """ComfyUI 0.3.75 moves the model it builds to ``unet_offload_device()``, which ``--gpu-only`` and
+    ``--highvram`` make the GPU, before the blocks reach their host mirrors: the whole model would land
+    on the GPU. While it builds, its offload device is the CPU, as the offloaded patcher's is."""
+    if mm.unet_offload_device().type == "cpu":
+        yield
+        return
+    default = mm.unet_offload_device
+    mm.unet_offload_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        mm.unet_offload_device = default
 
 
 def _load_again(path: str, model_options: dict, settings: OffloadSettings,

@@ -353,6 +353,21 @@ def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, m
         mm.current_loaded_models[:] = [m for m in mm.current_loaded_models if m.model is not model]
 
 
+@pytest.mark.parametrize("flag", ["--highvram", "--gpu-only"])
+def test_the_loader_builds_the_model_off_the_gpu_under_high_vram_flags(models, monkeypatch, flag):
+    """ComfyUI's offload device is the GPU under these flags: the loader must not let ComfyUI move the
+    freshly built model there whole (the meta device stands in for the GPU)."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.HIGH_VRAM)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: GPU)
+    give_device_memory(monkeypatch.setattr, free=1 << 40)
+    model = run_node("GroupOffloadLoader", unet_name=models.unet_name, weight_dtype="default",
+                     blocks_per_group=1, prefetch=1, residency="stream_all", resident_gb=0.0).outputs[0]
+    assert model.load_device == GPU and model.offload_device == torch.device("cpu")
+    assert {p.device.type for p in model.model.parameters()} == {"cpu"}, "nothing of the model on the GPU yet"
+
+
 def test_pins_are_counted_once(models, fake_cudart, monkeypatch):
     """Newest ComfyUI makes room for ``model_size()`` more pinned bytes at every load (0.3.75 only
     for device memory): the streamed groups, already pinned, must not be in it."""
