@@ -366,12 +366,14 @@ class GroupOffloadHandle:
             self._free_slabs.append(slab)
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
-        # Writes into inference tensors only under inference mode, whatever mode the forward runs in.
-        with torch.inference_mode(self._inference):
-            views = group.onload_(slab, non_blocking)
-            if self._patch is not None:
-                for i in self._patched[group.index]:
-                    views[i].copy_(self._patch(group.bindings[i].qualname, views[i]))
+        if self._inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():  # inference tensors (see ``ModuleGroup``) are written only under it
+                self._copy_into(group, slab, non_blocking)
+            return
+        views = group.onload_(slab, non_blocking)
+        if self._patch is not None:
+            for i in self._patched[group.index]:
+                views[i].copy_(self._patch(group.bindings[i].qualname, views[i]))
         self.ledger.record_copy(group.nbytes)
 
     def _wait_for(self, group: ModuleGroup) -> None:
