@@ -565,6 +565,10 @@ class ComfyServer:
 
     base_dir: Path
     extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
+    # ComfyUI's classic cache drops a node's output as soon as a prompt no longer has the node; newest
+    # ComfyUI's default cache keeps it until RAM runs short. Tests of what outlives a model want the first.
+    classic_cache: bool = False
     cpu: bool | None = None
     full_width: bool = False
     startup_timeout: float = 120.0
@@ -617,11 +621,14 @@ class ComfyServer:
             # Not sqlite:///:memory:, whose connection SQLAlchemy then uses across threads: ComfyUI
             # logs "SQLite objects created in a thread can only be used in that same thread".
             command += ["--database-url", f"sqlite:///{self.base_dir / 'comfyui.db'}"]
+        if self.classic_cache and "--cache-classic" in flags:
+            command.append("--cache-classic")
         command += list(self.extra_args)
 
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, cwd=main_py.parent, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                            stdin=subprocess.DEVNULL,
+                                            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
         logger.info("started ComfyUI pid %d: %s", self.process.pid, " ".join(command))
         self._wait_until_ready()
 

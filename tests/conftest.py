@@ -145,8 +145,8 @@ def full_width_qwen_name(comfy_models: ModelDir, full_width_qwen_path: Path) -> 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
     """A real ComfyUI server (main.py) with this pack, the test nodes and the tiny models; it pins
-    through the CUDA-runtime stand-in (``fake_cudart``), as ComfyUI pins on a GPU machine."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GROUP_OFFLOAD_FAKE_CUDART", "1")  # read by the test nodes inside the server
-        with ComfyServer(tmp_path_factory.mktemp("comfy_server")) as server:
-            yield server
+    through the CUDA-runtime stand-in (``fake_cudart``), as ComfyUI pins on a GPU machine, and drops a
+    node's output as soon as a prompt no longer has the node (the classic cache)."""
+    fake_cudart = {"GROUP_OFFLOAD_FAKE_CUDART": "1"}  # read by the test nodes inside the server
+    with ComfyServer(tmp_path_factory.mktemp("comfy_server"), env=fake_cudart, classic_cache=True) as server:
+        yield server

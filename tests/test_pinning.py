@@ -182,11 +182,11 @@ def test_a_dropped_model_leaves_nothing_registered(models, fake_cudart):
     assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY
 
 
-def test_post_free_releases_the_pins_of_a_served_model(tmp_path, monkeypatch):
+def test_post_free_releases_the_pins_of_a_served_model(tmp_path):
     """The UI's "Free model and node cache": POST /free unloads every model and drops the cached outputs."""
-    monkeypatch.setenv("GROUP_OFFLOAD_FAKE_CUDART", "1")  # the test nodes install the stand-in in the server
     offload_options = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
-    with comfy_env.ComfyServer(tmp_path) as server:
+    # The test nodes install the stand-in in the server.
+    with comfy_env.ComfyServer(tmp_path, env={"GROUP_OFFLOAD_FAKE_CUDART": "1"}) as server:
         server.run(comfy_env.txt2img_workflow(server.models.unet_name, model_patch=("GroupOffload", offload_options)))
         pins_now = server.get("/group_offload_test/pins")
         assert pins_now["registered_bytes"] == pins_now["total_pinned"] > 0
