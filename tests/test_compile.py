@@ -39,6 +39,22 @@ pytestmark = pytest.mark.skipif(_cpp_compiler() is None,
 SEED, STEPS = 7, 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def pytorch_attention(comfy) -> Iterator[None]:
+    """Qwen-Image attends with PyTorch's SDPA, as ComfyUI does on a GPU (``--use-pytorch-cross-attention``).
+
+    ComfyUI's CPU default (sub-quadratic attention) sizes its chunks from the host's free memory at every
+    call, and torch.compile guards on that number: a warm run then recompiles whenever free RAM moves.
+    """
+    import comfy.ldm.modules.attention
+    import comfy.ldm.qwen_image.model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comfy.ldm.qwen_image.model, "optimized_attention_masked",
+                      comfy.ldm.modules.attention.attention_pytorch)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> Iterator[None]:
     """Each test starts with no compiled code (inductor's on-disk cache still spares recompiling kernels)."""
