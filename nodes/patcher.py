@@ -116,6 +116,11 @@ def _module_bytes(modules: list[nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
+def _slab_bytes(group_bytes: list[int], prefetch: int) -> int:
+    """The streaming buffers alone, as with every group streamed: room a resident budget must leave."""
+    return device_footprint(group_bytes, [False] * len(group_bytes), prefetch)
+
+
 def _raw_group_bytes(blocks: list[nn.Module], blocks_per_group: int) -> list[int]:
     """Each group's bytes before packing (the packed mirrors add alignment)."""
     return [_module_bytes(blocks[i : i + blocks_per_group]) for i in range(0, len(blocks), blocks_per_group)]
@@ -156,7 +161,7 @@ class GroupOffloadPatcher(ModelPatcher):
         handle.set_onload_patch(None)
         free = mm.get_free_memory(device_to) - mm.minimum_inference_memory()
         patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
-        slabs = device_footprint([g.nbytes for g in handle.groups], [False] * len(handle.groups), handle.config.prefetch)
+        slabs = _slab_bytes([g.nbytes for g in handle.groups], handle.config.prefetch)
         handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load,
                                                   other_bytes, slabs + patches.device_bytes, free))
         _warn_if_unpinned(handle)
@@ -383,7 +388,7 @@ def _wanted_resident_bytes(settings: OffloadSettings, device: torch.device, othe
     """The resident budget asked for before ComfyUI grants one: ``auto`` plans against the device's
     whole memory less ComfyUI's inference reserve, as much as the card could hold."""
     capacity = mm.get_total_memory(torch.device(device)) - mm.minimum_inference_memory()
-    slabs = device_footprint(group_bytes, [False] * len(group_bytes), settings.prefetch)
+    slabs = _slab_bytes(group_bytes, settings.prefetch)
     return resident_budget(settings, 0, True, other_bytes, slabs, capacity - other_bytes)
 
 
