@@ -92,16 +92,19 @@ def latent(model) -> torch.Tensor:
     return run_txt2img(model, seed=SEED, steps=STEPS).latent
 
 
-@pytest.fixture(scope="module")
-def compiled_reference(models) -> torch.Tensor:  # noqa: F811
-    torch._dynamo.reset()
-    return latent(compile_model(load_plain()))
+COMPILERS = {"whole_model": compile_model, "per_block": compile_blocks}
+
+
+@pytest.fixture(scope="module", params=COMPILERS)
+def compiler(request: pytest.FixtureRequest):
+    return COMPILERS[request.param]
 
 
 @pytest.fixture(scope="module")
-def block_compiled_reference(models) -> torch.Tensor:  # noqa: F811
+def compiled_reference(models, compiler) -> torch.Tensor:  # noqa: F811
+    """The latent of the same model compiled the same way, without offloading."""
     torch._dynamo.reset()
-    return latent(compile_blocks(load_plain()))
+    return latent(compiler(load_plain()))
 
 
 @pytest.mark.parametrize("granularity", ["model", "blocks"])
@@ -132,19 +135,11 @@ GRAPHS = {
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_whole_model_compile_matches_and_compiles_once(models, compiled_reference, graph):  # noqa: F811
-    model = GRAPHS[graph](compile_model)
+def test_compiled_offload_matches_and_compiles_once(models, compiler, compiled_reference, graph):  # noqa: F811
+    model = GRAPHS[graph](compiler)
     assert torch.equal(latent(model), compiled_reference)
     with nothing_compiled():
         assert torch.equal(latent(model), compiled_reference)
-
-
-@pytest.mark.parametrize("graph", GRAPHS)
-def test_per_block_compile_matches_and_compiles_once(models, block_compiled_reference, graph):  # noqa: F811
-    model = GRAPHS[graph](compile_blocks)
-    assert torch.equal(latent(model), block_compiled_reference)
-    with nothing_compiled():
-        assert torch.equal(latent(model), block_compiled_reference)
 
 
 def test_lora_strength_change_computes_with_the_new_weights(models):  # noqa: F811
