@@ -30,14 +30,14 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fake_cudart import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, FakeCudart
+
 HOST = "host"
 COMPUTE = "compute"
 
 #: Ops that look at tensors' metadata only (``param.data = view`` asks the first).
 METADATA_OPS = {torch.ops.aten._has_compatible_shallow_copy_type.default, torch.ops.aten.is_same_size.default}
 
-#: What cudaHostRegister returns for memory that is already registered.
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
 class RaceError(AssertionError):
@@ -118,29 +118,34 @@ class Event:
         return 0.0
 
 
-class FakeCudart:
-    """``torch.cuda.cudart()`` for host registration: the real pinners' code runs against it."""
+class CheckedCudart(FakeCudart):
+    """The host-registration stand-in (``fake_cudart``), with the checker watching the registered memory.
+
+    Like the driver, a refused registration leaves an error that the next kernel launch reports.
+    """
 
     def __init__(self, checker: "StreamChecker") -> None:
+        super().__init__()
         self.checker = checker
-        self.refuse = False
-        self.registered: dict[int, int] = {}  # pointer -> bytes
-        self.unregistered: list[int] = []
+        self.refuse = False  # refuse every registration, as a driver out of lockable memory does
+
+    @property
+    def unregistered(self) -> list[int]:
+        return [ptr for call, ptr, _ in self.calls if call == "unregister"]
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
-        if self.refuse or ptr in self.registered:
+        status = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED if self.refuse else super().cudaHostRegister(ptr, nbytes, flags)
+        if status:
             self.checker.last_error = "cudaErrorHostMemoryAlreadyRegistered"
-            return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
-        self.registered[ptr] = nbytes
-        self.checker._track(f"host buffer {ptr:#x}", ptr, ptr + nbytes)
-        return 0
+        else:
+            self.checker._track(f"host buffer {ptr:#x}", ptr, ptr + nbytes)
+        return status
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        nbytes = self.registered.pop(ptr)
+        nbytes = self.registered[ptr]
         self.checker._host_write(ptr, ptr + nbytes, "cudaHostUnregister")
         self.checker._untrack(ptr)
-        self.unregistered.append(ptr)
-        return 0
+        return super().cudaHostUnregister(ptr)
 
 
 class StreamChecker(TorchDispatchMode):
@@ -152,7 +157,7 @@ class StreamChecker(TorchDispatchMode):
         self.current = Stream(self, COMPUTE)
         self.races: list[str] = []
         self.last_error: str | None = None
-        self.cudart = FakeCudart(self)
+        self.cudart = CheckedCudart(self)
         self.allocations = 0
         self.reuses = 0
         self._regions: list[_Region] = []  # sorted by ``lo``
