@@ -370,10 +370,11 @@ class GroupOffloadHandle:
             with torch.inference_mode():  # inference tensors (see ``ModuleGroup``) are written only under it
                 self._copy_into(group, slab, non_blocking)
             return
-        views = group.onload_(slab, non_blocking)
+        group.onload_(slab, non_blocking)
         if self._patch is not None:
             for i in self._patched[group.index]:
-                views[i].copy_(self._patch(group.bindings[i].qualname, views[i]))
+                tensor = group.device_tensor(i)
+                tensor.copy_(self._patch(group.bindings[i].qualname, tensor))
         self.ledger.record_copy(group.nbytes)
 
     def _wait_for(self, group: ModuleGroup) -> None:

@@ -6,57 +6,129 @@ its own; the scheduler in ``engine.py`` decides *when*.
 """
 from __future__ import annotations
 
+import copyreg
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .mirror import HostMirror, Pinner, pack_layout, packed_buffer, segment_views
+from .subclass import Flattened, first_inner, flatten, is_wrapper, require_packable
 
-#: Writes a tensor's weights into its host-mirror view (the loader reads a file straight in).
+#: Writes a tensor's weights into its host-mirror copy (the loader reads a file straight in); a
+#: wrapper subclass comes rebuilt over its mirror views, so that writing its inner tensors fills them.
 FillFn = Callable[[str, torch.Tensor], None]
+
+HOST = -1  # the layout key of the host mirror; a device slab's is its data_ptr
 
 
 class _Binding:
-    """Every place one packed tensor is referenced from: a Parameter, and/or buffer slots."""
+    """Every place one packed tensor is referenced from: a Parameter, and/or buffer slots.
 
-    __slots__ = ("qualname", "param", "buffer_slots")
+    ``first`` / ``last`` delimit its inner tensors in the group's packed layout (one for a plain tensor).
+    """
+
+    __slots__ = ("qualname", "param", "buffer_slots", "first", "last")
 
     def __init__(self, qualname: str, param: nn.Parameter | None) -> None:
         self.qualname = qualname
         self.param = param
         self.buffer_slots: list[tuple[dict, str]] = []
+        self.first = self.last = 0
 
-    def points_at(self, tensor: torch.Tensor) -> bool:
-        current = self.param if self.param is not None else self.buffer_slots[0][0][self.buffer_slots[0][1]]
-        return current.data_ptr() == tensor.data_ptr()
+    def current(self) -> torch.Tensor:
+        return self.param if self.param is not None else self.buffer_slots[0][0][self.buffer_slots[0][1]]
 
-    def point_at(self, tensor: torch.Tensor) -> None:
+    def shows(self, views: list[torch.Tensor]) -> bool:
+        """Whether the module still sees the layout of ``views`` (nobody re-pointed it meanwhile)."""
+        return first_inner(self.current()).data_ptr() == views[self.first].data_ptr()
+
+    def tensor_over(self, views: list[torch.Tensor]) -> torch.Tensor:
+        """This tensor as it lies in ``views`` (a layout's per-segment views)."""
+        return views[self.first]
+
+    def show(self, key: int, views: list[torch.Tensor]) -> None:
+        """Point the module at this tensor's part of ``views`` (the layout ``key`` names)."""
+        tensor = views[self.first]
         if self.param is not None:
             self.param.data = tensor
         for slots, name in self.buffer_slots:
             slots[name] = tensor
 
+    def forget_device_layouts(self) -> None:
+        """Drop what is kept per device layout (a plain tensor keeps nothing: its views are the group's)."""
 
-def _require_plain(tensor: torch.Tensor, qualname: str) -> None:
-    """Only plain tensors can live in a packed byte buffer; a tensor subclass (e.g. a quantized
-    weight that carries its own scales) would lose what it holds besides its data."""
-    if type(tensor.data) is not torch.Tensor:
-        raise ValueError(f"{qualname} is a {type(tensor.data).__name__}; group offloading packs plain tensors "
-                         f"only, so quantized weights cannot be offloaded yet")
+
+class _WrapperBinding(_Binding):
+    """A wrapper subclass (a quantized weight): rebuilt per layout from its inner views.
+
+    A Parameter keeps its identity: its content is exchanged (``torch.utils.swap_tensors``) with a
+    tensor rebuilt for the wanted layout, which then holds the layout shown before, for the next
+    exchange back (assigning ``.data`` would replace only the outer shell, not the inner tensors).
+    """
+
+    __slots__ = ("flat", "inference", "_held", "_shown", "_lean")
+
+    def __init__(self, qualname: str, param: nn.Parameter | None, flat: Flattened, inference: bool) -> None:
+        super().__init__(qualname, param)
+        self.flat = flat
+        self.inference = inference
+        self._held: dict[int, torch.Tensor] = {}  # layout key -> a tensor holding that layout
+        self._shown: int | None = None  # the layout the Parameter shows; None: its original tensors
+        self._lean = _SWAP_IMPL is not None and not copyreg._slotnames(flat.cls)
+
+    def tensor_over(self, views: list[torch.Tensor]) -> torch.Tensor:
+        with torch.inference_mode(self.inference):
+            tensor = self.flat.rebuild(views[self.first : self.last])
+        if self.param is not None:
+            tensor._is_param = True  # what ``nn.Parameter`` marks a subclass with; it travels with the swap
+        return tensor
+
+    def show(self, key: int, views: list[torch.Tensor]) -> None:
+        if self.param is None:
+            tensor = self._held.get(key)
+            if tensor is None:
+                tensor = self._held[key] = self.tensor_over(views)
+            for slots, name in self.buffer_slots:
+                slots[name] = tensor
+            return
+        if key == self._shown:
+            return
+        holder = self._held.pop(key, None)
+        if holder is None:
+            holder = self.tensor_over(views)
+        param = self.param
+        if self._lean and param._use_count() == 1:
+            # swap_tensors at a quarter of its cost (1 µs, not 4: paid per quantized weight, twice per
+            # group and pass): one class, no slots, so the Python state and the C++ tensor are all there
+            # is. Weak references to the Parameter (torch.compile's guards) stay with it, as they should.
+            param.__dict__, holder.__dict__ = holder.__dict__, param.__dict__
+            _SWAP_IMPL(param, holder)
+        else:  # another user of the C++ tensor (an autograd graph): swap_tensors decides, or refuses clearly
+            torch.utils.swap_tensors(param, holder)
+        if self._shown is not None:  # (the original tensors are let go)
+            self._held[self._shown] = holder
+        self._shown = key
+
+    def forget_device_layouts(self) -> None:
+        self._held = {key: t for key, t in self._held.items() if key == HOST}
+
+
+_SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)  # what ``torch.utils.swap_tensors`` ends with
 
 
 def check_offloadable(blocks: list[nn.Module]) -> None:
-    """Raise ``ValueError`` if a block holds a tensor that cannot be packed into a host mirror."""
+    """Raise ``UnpackableTensorError`` if a block holds a tensor that cannot be packed into a host mirror."""
     for block in blocks:
         for name, tensor in (*block.named_parameters(), *block.named_buffers()):
-            _require_plain(tensor, name)
+            require_packable(tensor, name)
 
 
-def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_Binding], list[torch.Tensor]]:
-    """The group's tensors, each once: a tied parameter (one Parameter object) stays one binding."""
-    by_id: dict[int, _Binding] = {}
-    bindings, tensors = [], []
+def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> list[tuple[str, torch.Tensor, bool, list]]:
+    """The group's tensors, each once, as (qualname, tensor, is a Parameter, buffer slots): a tied
+    parameter (one Parameter object) stays one entry."""
+    by_id: dict[int, int] = {}
+    found: list[tuple[str, torch.Tensor, bool, list[tuple[dict, str]]]] = []
     for block in blocks:
         for module in block.modules():
             prefix = qualnames[id(module)]
@@ -64,18 +136,14 @@ def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> tuple[list[_
                 for name, tensor in table.items():
                     if tensor is None:
                         continue
-                    binding = by_id.get(id(tensor))
-                    if binding is None:
-                        _require_plain(tensor, prefix + name)
-                        binding = _Binding(prefix + name, tensor if kind == "param" else None)
-                        by_id[id(tensor)] = binding
-                        bindings.append(binding)
-                        tensors.append(tensor)
+                    if id(tensor) not in by_id:
+                        require_packable(tensor, prefix + name)
+                        by_id[id(tensor)] = len(found)
+                        found.append((prefix + name, tensor, kind == "param", []))
                     if kind == "buffer":
-                        binding.buffer_slots.append((table, name))
-    # Parameters first: ``ModuleGroup.bind`` zips them with the leading views in one tight loop.
-    order = sorted(range(len(bindings)), key=lambda i: bindings[i].param is None)
-    return [bindings[i] for i in order], [tensors[i] for i in order]
+                        found[by_id[id(tensor)]][3].append((table, name))
+    # Plain Parameters first: ``ModuleGroup.bind`` zips them with the leading views in one tight loop.
+    return sorted(found, key=lambda entry: (not entry[2], is_wrapper(entry[1])))
 
 
 class ModuleGroup:
@@ -84,15 +152,28 @@ class ModuleGroup:
     def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None) -> None:
         self.index = index
         self.blocks = blocks
-        self.bindings, tensors = _collect(blocks, qualnames)
+        found = _collect(blocks, qualnames)
+        flattened = [flatten(tensor) for _, tensor, _, _ in found]
+        inner = [t for _, tensors in flattened for t in tensors]
         # The buffers are of the tensors' own kind: a Parameter made under inference mode (as ComfyUI
         # makes them) cannot take a normal tensor as its ``.data``, nor a normal Parameter an inference
         # one (it would fail in backward once offloading is removed), whatever mode this runs under.
-        self.inference = any(t.is_inference() for t in tensors)
+        self.inference = any(t.is_inference() for t in inner)
+        self.bindings: list[_Binding] = []
+        for (qualname, tensor, is_param, slots), (flat, tensors) in zip(found, flattened):
+            param = tensor if is_param else None
+            binding = _Binding(qualname, param) if flat is None else _WrapperBinding(qualname, param, flat, self.inference)
+            binding.buffer_slots = slots
+            binding.first = self.bindings[-1].last if self.bindings else 0
+            binding.last = binding.first + len(tensors)
+            self.bindings.append(binding)
+        del found, flattened
         with torch.inference_mode(self.inference):
-            self._pack(tensors, fill)
-        self._params = [b.param for b in self.bindings if b.param is not None]
-        self._buffer_slots = [(slots, name, i) for i, b in enumerate(self.bindings) for slots, name in b.buffer_slots]
+            self._pack(inner, fill)
+        plain = [b for b in self.bindings if type(b) is _Binding]
+        self._params = [b.param for b in plain if b.param is not None]
+        self._buffer_slots = [(slots, name, b.first) for b in plain for slots, name in b.buffer_slots]
+        self._wrappers = [b for b in self.bindings if type(b) is not _Binding]
         self.resident = False
         self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
         self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
@@ -100,17 +181,20 @@ class ModuleGroup:
         self.running = 0  # forwards of its blocks in progress
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
 
-    def _pack(self, tensors: list[torch.Tensor], fill: FillFn | None) -> None:
-        segments, nbytes = pack_layout(tensors)
-        adopted = None if fill is not None else packed_buffer(tensors, segments, nbytes)
+    def _pack(self, inner: list[torch.Tensor | None], fill: FillFn | None) -> None:
+        segments, nbytes = pack_layout(inner)
+        adopted = None if fill is not None else packed_buffer(inner, segments, nbytes)
         self.mirror = HostMirror(segments, nbytes, adopted)
-        for i, (binding, view) in enumerate(zip(self.bindings, self.mirror.views)):
+        views = self.mirror.views
+        for binding in self.bindings:
             if fill is not None:
-                fill(binding.qualname, view)
+                fill(binding.qualname, binding.tensor_over(views))
             elif adopted is None:
-                view.copy_(tensors[i])
-            binding.point_at(view)
-            tensors[i] = None  # the old storage goes now: host memory holds at most one tensor twice
+                for i in range(binding.first, binding.last):
+                    views[i].copy_(inner[i])
+            binding.show(HOST, views)
+            inner[binding.first : binding.last] = [None] * (binding.last - binding.first)  # the old storage
+            # goes now: host memory holds at most one tensor twice
 
     @property
     def nbytes(self) -> int:
@@ -126,12 +210,14 @@ class ModuleGroup:
     def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
         return self.mirror.pin(pinner, drain)
 
-    def bind(self, views: list[torch.Tensor]) -> None:
-        """Point every parameter and buffer at ``views``; the hot path, so two plain loops."""
+    def bind(self, key: int, views: list[torch.Tensor]) -> None:
+        """Point every parameter and buffer at ``views`` (the layout ``key`` names); the hot path."""
         for param, view in zip(self._params, views):
             param.data = view
         for slots, name, i in self._buffer_slots:
             slots[name] = views[i]
+        for binding in self._wrappers:
+            binding.show(key, views)
 
     def _device_layout(self, slab: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The part of ``slab`` the group fills, and its per-tensor views; cached, since building
@@ -144,32 +230,38 @@ class ModuleGroup:
     def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
         return self._device_layout(slab)[1]
 
-    def onload_(self, slab: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
+    def onload_(self, slab: torch.Tensor, non_blocking: bool) -> None:
         """Copy the mirror into ``slab`` (one copy) and point the modules at it."""
         target, views = self._device_layout(slab)
         target.copy_(self.mirror.buffer, non_blocking=non_blocking)
-        self.bind(views)
+        self.bind(slab.data_ptr(), views)
         self.slab = slab
-        return views
+
+    def device_tensor(self, index: int) -> torch.Tensor:
+        """What the modules see of binding ``index`` while the group is on the device."""
+        binding = self.bindings[index]
+        return binding.current() if type(binding) is not _Binding else self.device_views(self.slab)[binding.first]
 
     def offload_(self) -> torch.Tensor | None:
         """Point the modules back at the mirror (no copy) and hand the slab back."""
-        self.bind(self.mirror.views)
+        self.bind(HOST, self.mirror.views)
         slab, self.slab, self.ready, self.parked = self.slab, None, None, False
         return slab
 
     def park(self) -> None:
         """Point the modules at the mirror but keep the device copy, for ``unpark`` to take up again."""
-        self.bind(self.mirror.views)
+        self.bind(HOST, self.mirror.views)
         self.parked = True
 
     def unpark(self) -> None:
-        self.bind(self.device_views(self.slab))
+        self.bind(self.slab.data_ptr(), self.device_views(self.slab))
         self.parked = False
 
     def drop_device_views(self) -> None:
         """Forget the cached views, so that freed slabs are not kept alive by them."""
         self._views.clear()
+        for binding in self._wrappers:
+            binding.forget_device_layouts()
 
     def release(self) -> None:
         """Drop device views and pinned memory; the modules keep computing from ordinary host memory.
@@ -177,9 +269,10 @@ class ModuleGroup:
         Tensors that someone else has re-pointed meanwhile (moved to another device, say) stay as they are.
         """
         if self.slab is not None:
-            for binding, view, mirror_view in zip(self.bindings, self.device_views(self.slab), self.mirror.views):
-                if binding.points_at(view):
-                    binding.point_at(mirror_view)
+            views = self.device_views(self.slab)
+            for binding in self.bindings:
+                if binding.shows(views):
+                    binding.show(HOST, self.mirror.views)
         self.slab, self.ready, self.parked = None, None, False
         self.drop_device_views()
         self.mirror.unpin()

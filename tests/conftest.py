@@ -102,6 +102,13 @@ def stream_checker(monkeypatch: pytest.MonkeyPatch) -> Iterator[StreamChecker]:
         gc.collect()  # mirrors the test left behind unpin now, through the stand-in that pinned them
 
 
+@pytest.fixture
+def checker(stream_checker: StreamChecker) -> Iterator[StreamChecker]:
+    """The stream checker, and no race found in the whole test (a race in a finalizer is kept, not raised)."""
+    yield stream_checker
+    assert stream_checker.races == []
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_path() -> Path:
     return tiny_qwen_image_file()

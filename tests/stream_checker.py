@@ -229,7 +229,8 @@ class StreamChecker(TorchDispatchMode):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             write = argument.alias_info is not None and argument.alias_info.is_write
             tensors = value if isinstance(value, (list, tuple)) else [value]
-            accesses += [(*_span(t), write) for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+            accesses += [(*_span(inner), write) for t in tensors if isinstance(t, torch.Tensor)
+                         for inner in _inner_tensors(t) if inner.numel()]
         tracked = [(lo, hi, write) for lo, hi, write in accesses if self._overlapping(lo, hi)]
         if tracked:
             stream = self.current.name
@@ -299,6 +300,15 @@ class StreamChecker(TorchDispatchMode):
             else:
                 live.append((block, storage))
         self._live = live
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``tensor``'s bytes: a wrapper subclass (a quantized weight) has none of
+    its own, and an op on it is a kernel on every one of its inner tensors."""
+    if not hasattr(type(tensor), "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in _inner_tensors(getattr(tensor, name))]
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

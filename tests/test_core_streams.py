@@ -18,12 +18,6 @@ from stream_checker import StreamChecker
 from test_core_engine import make_pair
 
 
-@pytest.fixture
-def checker(stream_checker):
-    yield stream_checker
-    assert stream_checker.races == []
-
-
 def offload(model: nn.Module, checker: StreamChecker, **kwargs):
     return apply_group_offload(model, model.blocks, "cpu", runtime=checker, **kwargs)
 

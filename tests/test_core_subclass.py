@@ -1,0 +1,254 @@
+"""Wrapper tensor subclasses (quantized weights) in the engine: packed as their inner tensors, the
+Parameter objects kept, nothing dequantized or cloned, outputs bit-identical, streams ordered."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from offload_core import UnpackableTensorError, apply_group_offload, packed_nbytes
+from test_core_engine import make_pair
+
+aten = torch.ops.aten
+
+
+class ScaledInt8(torch.Tensor):
+    """A minimal quantized weight: int8 data and a float32 scale per row, in PyTorch's wrapper-subclass
+    protocol; any op but the few it knows runs on the dequantized weight."""
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.qdata, self.scale = qdata, scale
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "ScaledInt8":
+        scale = weight.abs().amax(dim=1, keepdim=True).float() / 127
+        return cls((weight / scale).round().to(torch.int8), scale, weight.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.qdata.float() * self.scale).to(self.dtype)
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], {"dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        return ScaledInt8(inner["qdata"], inner["scale"], context["dtype"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.detach.default:
+            return ScaledInt8(args[0].qdata.detach(), args[0].scale.detach(), args[0].dtype)
+        if func is aten._has_compatible_shallow_copy_type.default:
+            return True
+        if func is aten.copy_.default and isinstance(args[1], ScaledInt8):
+            args[0].qdata.copy_(args[1].qdata)
+            args[0].scale.copy_(args[1].scale)
+            return args[0]
+        plain = tree_map(lambda t: t.dequantize() if isinstance(t, ScaledInt8) else t, (args, kwargs))
+        return func(*plain[0], **plain[1])
+
+
+def _comfy_kitchen_fp8(weight: torch.Tensor) -> torch.Tensor:
+    quantized = pytest.importorskip("comfy_kitchen.tensor.base")
+    return quantized.QuantizedTensor.from_float(weight, "TensorCoreFP8Layout")
+
+
+QUANTIZERS = {"scaled_int8": ScaledInt8.quantize, "comfy_kitchen_fp8": _comfy_kitchen_fp8}
+
+
+def quantize_linears(model: nn.Module, quantize: Callable, inference: bool = True) -> None:
+    """Every Linear weight of the blocks a quantized Parameter, made as ComfyUI makes its weights."""
+    with torch.inference_mode(inference):
+        for block in model.blocks:
+            for module in block.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight = nn.Parameter(quantize(module.weight.detach()), requires_grad=False)
+
+
+def quantized_pair(quantize: Callable, inference: bool = True):
+    reference, offloaded, x = make_pair("cpu")
+    for model in (reference, offloaded):
+        quantize_linears(model, quantize, inference)
+    return reference, offloaded, x
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model.blocks.named_parameters() if name.endswith("weight") and p.ndim == 2}
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    names, _ = tensor.__tensor_flatten__()
+    return [getattr(tensor, name) for name in names]
+
+
+def inner_spans(tensor: torch.Tensor) -> list[int]:
+    return [t.data_ptr() for t in inner_tensors(tensor)]
+
+
+@pytest.fixture(params=QUANTIZERS, ids=str)
+def quantize(request):
+    return QUANTIZERS[request.param]
+
+
+@pytest.mark.parametrize("blocks_per_group,prefetch,resident_share",
+                         [(1, 0, 0.0), (1, 1, 0.0), (2, 2, 0.0), (1, 1, 0.5), (3, 1, 1.0)])
+def test_bit_identical_streamed_at_the_quantized_size(quantize, checker, blocks_per_group, prefetch, resident_share):
+    reference, offloaded, x = quantized_pair(quantize)
+    before = weights(offloaded)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=blocks_per_group,
+                                 prefetch=prefetch, runtime=checker)
+    handle.set_resident_bytes(int(resident_share * sum(g.nbytes for g in handle.groups)))
+    packed = sum(packed_nbytes(t) for b in offloaded.blocks for t in (*b.parameters(), *b.buffers()))
+    assert packed < sum(t.numel() * t.element_size() for b in reference.blocks for t in (*b.parameters(), *b.buffers()))
+    assert packed <= handle.stats()["host_bytes"] < packed + 256 * 6 * 9, "data and scales, at their own size"
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+        handle.reset_stats()
+        assert torch.equal(offloaded(x), expected)
+    stats = handle.stats()
+    assert stats["bytes_h2d"] == stats["streamed_bytes_per_pass"]
+    after = weights(offloaded)
+    assert all(after[name] is before[name] for name in before), "the Parameter objects are the module's still"
+    assert all(isinstance(p, nn.Parameter) and type(p) is type(reference.blocks[0].attn.weight) for p in after.values())
+    handle.remove()
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), expected), "after remove(), from the host mirrors"
+
+
+def test_device_copies_are_views_of_the_slab_not_clones(quantize, checker):
+    _, offloaded, x = quantized_pair(quantize)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=0, runtime=checker)
+    seen = []
+
+    def record(module, args):
+        slab = handle.groups[1].slab
+        start = slab.data_ptr()
+        seen.append(all(start <= ptr < start + slab.numel() for ptr in inner_spans(module.weight)))
+
+    offloaded.blocks[1].attn.register_forward_pre_hook(record)
+    with torch.inference_mode():
+        offloaded(x)
+    assert seen == [True], "the data and every scale lie in the group's slab"
+    mirror = handle.groups[1].mirror.buffer
+    start = mirror.data_ptr()
+    assert all(start <= ptr < start + mirror.numel() for ptr in inner_spans(offloaded.blocks[1].attn.weight))
+
+
+def test_an_onload_patch_writes_the_quantized_device_copy(checker):
+    reference, offloaded, x = quantized_pair(ScaledInt8.quantize)
+    target = "blocks.2.attn.weight"
+    with torch.inference_mode():
+        doubled = ScaledInt8.quantize(reference.blocks[2].attn.weight.dequantize() * 2)
+        reference.blocks[2].attn.weight = nn.Parameter(doubled, requires_grad=False)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker)
+    handle.set_onload_patch(lambda name, weight: doubled, [target])
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(offloaded(x), reference(x))
+    handle.remove()  # (unpinned first: the checker takes a host read of pinned memory for a kernel)
+    assert torch.equal(offloaded.blocks[2].attn.weight.scale * 2, doubled.scale), "the mirror stays pristine"
+
+
+def test_weights_made_outside_inference_mode(quantize, checker):
+    reference, offloaded, x = quantized_pair(quantize, inference=False)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker)
+    with torch.no_grad():
+        assert torch.equal(offloaded(x), reference(x))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    handle.remove()
+    assert not offloaded.blocks[0].attn.weight.is_inference()
+
+
+def test_a_new_engine_adopts_the_packed_buffers(quantize):
+    reference, offloaded, x = quantized_pair(quantize)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    mirrors = [g.mirror.buffer.data_ptr() for g in handle.groups]
+    handle.remove()
+    again = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=1)
+    assert [g.mirror.buffer.data_ptr() for g in again.groups] == mirrors, "no second host copy"
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+
+
+def test_quantized_buffers_are_rebuilt_too(checker):
+    reference, offloaded, x = make_pair("cpu")
+    for model in (reference, offloaded):
+        with torch.inference_mode():
+            model.blocks[1].gate = ScaledInt8.quantize(model.blocks[1].gate.reshape(-1, 1)).reshape(-1)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["host_bytes"] > 0
+
+
+class PlainSubclass(torch.Tensor):
+    """A subclass whose meaning lives outside its bytes (as ComfyUI-GGUF's GGMLTensor): not rebuildable."""
+
+
+def test_other_subclasses_and_nested_wrappers_are_refused_by_name():
+    _, offloaded, _ = make_pair("cpu")
+    offloaded.blocks[1].attn.weight = nn.Parameter(offloaded.blocks[1].attn.weight.detach().as_subclass(PlainSubclass),
+                                                   requires_grad=False)
+    with pytest.raises(UnpackableTensorError, match=r"blocks\.1\.attn\.weight is a PlainSubclass") as refused:
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    assert refused.value.tensor_type is PlainSubclass
+    _, offloaded, _ = make_pair("cpu")
+    weight = ScaledInt8.quantize(offloaded.blocks[0].attn.weight.detach())
+    weight.scale = weight.scale.as_subclass(PlainSubclass)
+    offloaded.blocks[0].attn.weight = nn.Parameter(weight, requires_grad=False)
+    with pytest.raises(UnpackableTensorError, match=r"blocks\.0\.attn\.weight \(its inner tensor scale\) is a PlainSubclass"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+
+
+def test_the_parameter_moves_to_the_device_with_its_inner_tensors(quantize):
+    """The meta device stands in for a GPU (a plain Parameter cannot take a meta tensor as ``.data``,
+    so every tensor is quantized here): the outer tensor's device must follow its data and scales."""
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32, bias=False)) for _ in range(3)))
+    with torch.inference_mode():
+        for block in model:
+            block[0].weight = nn.Parameter(quantize(block[0].weight.detach()), requires_grad=False)
+    apply_group_offload(model, list(model), "meta", prefetch=0, pin_memory=False)
+    seen = []
+
+    def record(module, args):
+        seen.append((module.weight.device.type, {t.device.type for t in inner_tensors(module.weight)}))
+
+    model[1][0].register_forward_pre_hook(record)  # (inside the block's forward, where the group is on the device)
+    with torch.inference_mode():
+        model(torch.zeros(2, 32, device="meta"))
+    assert seen == [("meta", {"meta"})]
+    weight = model[1][0].weight
+    assert (weight.device.type, {t.device.type for t in inner_tensors(weight)}) == ("cpu", {"cpu"}), "back on the mirror"
+
+
+def test_compiled_blocks_with_quantized_weights_compile_once():
+    """torch.compile per block (as KJNodes does): the exchanged Parameters keep their identity, so the
+    compiled blocks compute as without offloading and nothing compiles again once warm."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    reference, offloaded, x = quantized_pair(ScaledInt8.quantize)
+    apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1)
+    for model in (reference, offloaded):
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(offloaded(x), expected)
+        before = counters["frames"]["total"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(2):
+                assert torch.equal(offloaded(x), expected)
+    assert counters["frames"]["total"] == before, "torch.compile compiled a new frame once warm"
