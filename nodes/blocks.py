@@ -35,18 +35,6 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "VaceWanModel": ("blocks",),
 }
 
-# Only for the file loader, which matches a file's keys before any model exists: the list names of
-# the models whose blocks it reads straight into the mirrors. The node finds blocks with find_blocks.
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "QwenImageTransformer2DModel": ("transformer_blocks",),
-    "Flux": ("double_blocks", "single_blocks"),
-    "Chroma": ("double_blocks", "single_blocks"),
-    "HunyuanVideo": ("double_blocks", "single_blocks"),
-    "WanModel": ("blocks",),
-    "MMDiT": ("joint_blocks",),
-    "NextDiT": ("layers",),
-}
-
 # Found once per model, while its lists are in place: the patcher hides them during ComfyUI's load.
 _FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 _LOGGED: set[tuple[str, tuple[str, ...], str]] = set()

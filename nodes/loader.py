@@ -1,20 +1,23 @@
 """Load a diffusion model with its blocks read from the safetensors file straight into host mirrors.
 
-ComfyUI builds the model (detection, dtypes, ops) from a state dict in which every block tensor is a
-zero-byte placeholder of the right shape and dtype; the real block weights are then read from the
-file, group by group, into the packed mirrors.  Host memory holds the weights about once: each
-group's first allocation is released as soon as its mirror is filled.
+Which tensors are block tensors is found first, on the model ComfyUI detects from the file's shapes,
+built on the meta device: those inside the lists the block finder finds there (as the node finds
+them).  ComfyUI then builds the model (detection, dtypes, ops) from a state dict in which every
+block tensor is a zero-byte placeholder of the right shape and dtype; the real block weights are
+then read from the file, group by group, into the packed mirrors.  Host memory holds the weights
+about once: each group's first allocation is released as soon as its mirror is filled.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import json
+import logging
 import math
 import os
-import re
+import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import safetensors
 import torch
@@ -23,23 +26,27 @@ from torch import nn
 import comfy.model_detection
 import comfy.model_management as mm
 import comfy.sd
+import comfy.supported_models_base
 import comfy.utils
 
-from .blocks import BLOCK_LISTS, block_list_paths
+from .blocks import block_list_paths
 from .memory import OffloadSettings
+from ..offload_core import flatten
 from .patcher import GroupOffloadPatcher, build_engine, make_offloaded
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
-_BLOCK_NAMES = sorted({name for names in BLOCK_LISTS.values() for name in names})
-# "transformer_blocks.<i>." right after the diffusion model's prefix: a block list of the diffusion
-# model itself, not one nested in another module (Chroma's distilled_guidance_layer.layers.<i>).
-_BLOCK_KEY = re.compile(rf"(?:{'|'.join(_BLOCK_NAMES)})\.\d+\.")
+_RAW_BYTES = (torch.uint8, torch.int8)  # quantized files may store fp8 scales as raw bytes; ComfyUI views them
+_META = torch.device("meta")
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
 MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
+_INSTEAD = "use Load Diffusion Model followed by Group Offload (no copy-back)"
+
+log = logging.getLogger(__name__)
 
 
 class SafetensorsFile:
@@ -110,15 +117,19 @@ class SafetensorsFile:
     def shape(self, key: str) -> torch.Size:
         return torch.Size(self.entries[key]["shape"])
 
-    def placeholder(self, key: str) -> torch.Tensor:
+    def placeholder(self, key: str, device: torch.device | None = None) -> torch.Tensor:
         """A zero-byte stand-in with the tensor's shape and dtype."""
-        return torch.empty((), dtype=self.dtype(key)).expand(self.shape(key))
+        return torch.empty((), dtype=self.dtype(key), device=device).expand(self.shape(key))
 
     def read_into(self, file, key: str, out: torch.Tensor) -> None:
-        """Read ``key`` into ``out``, converting its dtype the way ``Tensor.copy_`` does."""
+        """Read ``key`` into ``out``, converting its dtype the way ``Tensor.copy_`` does; raw bytes
+        (uint8 / int8) of the same width as an fp8 ``out`` are its bits, as ComfyUI ``view``s them."""
         if self.shape(key) != out.shape:
             raise ValueError(f"{key} has shape {list(self.shape(key))} in {self.path}, the model expects {list(out.shape)}")
-        target = out if self.dtype(key) == out.dtype else torch.empty(out.shape, dtype=self.dtype(key))
+        dtype = self.dtype(key)
+        if dtype in _RAW_BYTES and out.dtype.is_floating_point and out.dtype.itemsize == 1:
+            out = out.view(dtype)
+        target = out if dtype == out.dtype else torch.empty(out.shape, dtype=dtype)
         start, end = self.entries[key]["data_offsets"]
         buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
         file.seek(self.data_start + start)
@@ -128,21 +139,77 @@ class SafetensorsFile:
             out.copy_(target)
 
 
-def _is_quantized(st: SafetensorsFile) -> bool:
-    """Quantized layers (ComfyUI's ``comfy_quant`` format, or old scaled fp8 that newer ComfyUI converts
-    to it on load) become tensor subclasses, whose keys and bytes the mirrors cannot take as they are."""
-    if "_quantization_metadata" in (st.metadata or {}) or any(k.endswith(".comfy_quant") for k in st.entries):
-        return True
-    converts_scaled_fp8 = hasattr(comfy.utils, "convert_old_quants")
-    return converts_scaled_fp8 and any(k.endswith("scaled_fp8") for k in st.entries)
+class AsLoaded(NamedTuple):
+    """A file's state dict as ComfyUI's ``load_diffusion_model_state_dict`` has it when it detects the model."""
+
+    state_dict: dict[str, torch.Tensor]
+    metadata: dict | None
+    file_keys: dict[str, str | None]  # each key -> the file key of its tensor (None: made by ComfyUI, in no file)
 
 
-def block_keys(keys: list[str]) -> tuple[str, set[str]]:
-    """The diffusion model's prefix in ``keys`` (as ComfyUI strips it) and the keys of its blocks."""
-    prefix = comfy.model_detection.unet_prefix_from_state_dict(keys)
-    if not any(key.startswith(prefix) for key in keys):
-        prefix = ""  # ComfyUI then keeps the keys as they are
-    return prefix, {key for key in keys if key.startswith(prefix) and _BLOCK_KEY.match(key, len(prefix))}
+def as_comfyui_loads(state_dict: dict[str, torch.Tensor], metadata: dict | None, model_options: dict) -> AsLoaded:
+    """``state_dict`` after ComfyUI's key conversion at load, the same steps as its ``load_diffusion_model_state_dict``.
+
+    ComfyUI strips the model's prefix and (newest ComfyUI) converts old scaled-fp8 names
+    (``scale_weight`` -> ``weight_scale``), adding a ``comfy_quant`` per layer.
+    """
+    origin = {id(tensor): key for key, tensor in state_dict.items()}
+    convert = getattr(comfy.utils, "convert_old_quants", None)
+    if convert is None or model_options.get("custom_operations") is not None:
+        convert = lambda sd, prefix, metadata: (sd, metadata)  # noqa: E731 (as this ComfyUI loads: no conversion)
+    converted, metadata = convert(dict(state_dict), "", metadata=metadata)
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(converted)
+    stripped = comfy.utils.state_dict_prefix_replace(converted, {prefix: ""}, filter_keys=True)
+    if stripped:
+        converted, metadata = convert(stripped, "", metadata=metadata)
+    return AsLoaded(converted, metadata, {key: origin.get(id(tensor)) for key, tensor in converted.items()})
+
+
+def block_keys(loaded: AsLoaded, name: str) -> tuple[set[str], dict[str, str | None]]:
+    """The model's block keys, as its ``load_model_weights`` names them, and each model key's file key.
+
+    The lists are those ``block_list_paths`` finds (as for the node) on the model ComfyUI detects from
+    ``loaded``, built on the meta device; only shapes and dtypes are read, so the large tensors may be
+    meta tensors. The model's config may rename keys as it loads (Flux's ``_norm.scale`` ->
+    ``_norm.weight``): each model key is traced back to its file key through that step too.
+    """
+    diffusion_model, model_config = _built_on_meta(loaded, name)
+    origin = {id(tensor): loaded.file_keys[key] for key, tensor in loaded.state_dict.items()}
+    as_named = model_config.process_unet_state_dict(dict(loaded.state_dict))
+    prefixes = tuple(f"{path}." for path in block_list_paths(diffusion_model))
+    file_keys = {key: origin.get(id(tensor)) for key, tensor in as_named.items()}
+    return {key for key in as_named if key.startswith(prefixes)}, file_keys
+
+
+def _built_on_meta(loaded: AsLoaded, name: str) -> tuple[nn.Module, comfy.supported_models_base.BASE]:
+    """The diffusion model ComfyUI detects from ``loaded``, built and loaded on the meta device, and its config."""
+    # Detection may pop from both (0.3.75: the scaled_fp8 marker, the _quantization_metadata header).
+    state_dict, metadata = dict(loaded.state_dict), None if loaded.metadata is None else dict(loaded.metadata)
+    try:
+        model_config = comfy.model_detection.model_config_from_unet(state_dict, "", metadata=metadata)
+        model = None if model_config is None else _meta_model(model_config, state_dict)
+    except Exception as error:  # in detection, or a model that cannot be built on the meta device
+        raise ValueError(f"{name}: ComfyUI could not build its model on the meta device, where this loader finds "
+                         f"the blocks before loading them ({type(error).__name__}: {error}); {_INSTEAD}") from error
+    if model is None:
+        raise ValueError(f"{name}: ComfyUI detects no diffusion model under its own key names in it (a "
+                         f"diffusers-format file is renamed as it loads), so its blocks cannot be found before "
+                         f"it loads; {_INSTEAD}")
+    return model.diffusion_model, model_config
+
+
+def _meta_model(model_config: comfy.supported_models_base.BASE, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """ComfyUI's model for ``model_config`` on the meta device, loaded from ``state_dict`` as ComfyUI loads
+    it (quantized layers, and every Linear under Dynamic VRAM, get their weights only then)."""
+    log.info("Group Offload: %s builds on the meta device to find its blocks", type(model_config).__name__)
+    # Built for the meta device rather than under it (as the default device, it makes PixArt's
+    # constructor fail and Stable Cascade's take a minute); the few parameters some classes make on
+    # the CPU whatever the device (CogVideoX's) are moved after.
+    model = model_config.get_model(state_dict, "", device=_META).to(_META)
+    with warnings.catch_warnings():  # the small tensors read at once are copied into meta parameters: no-ops
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        model.load_model_weights(state_dict, "")
+    return model
 
 
 def _check_block_keys(path: str, diffusion_model: nn.Module, file_keys: set[str]) -> None:
@@ -150,29 +217,62 @@ def _check_block_keys(path: str, diffusion_model: nn.Module, file_keys: set[str]
     model_keys = {f"{path}.{key}" for path in block_list_paths(diffusion_model)
                   for key in diffusion_model.get_submodule(path).state_dict()}
     if missing := model_keys - file_keys:
-        raise ValueError(f"ComfyUI renames the keys of {Path(path).name} when it loads it (the model's {min(missing)} "
-                         f"is not in the file), so its blocks cannot be read straight into host memory; use Load "
-                         f"Diffusion Model followed by Group Offload (no copy-back)")
+        raise ValueError(f"The blocks ComfyUI builds from {Path(path).name} do not have the file's keys (ComfyUI "
+                         f"renames them, or makes tensors of its own: the model's {min(missing)} is not in the "
+                         f"file), so they cannot be read straight into host memory; {_INSTEAD}")
     if extra := file_keys - model_keys:
         raise ValueError(f"{len(extra)} block tensors of {Path(path).name} belong to no block of "
-                         f"{type(diffusion_model).__name__} (e.g. {min(extra)}); use Load Diffusion Model "
-                         f"followed by Group Offload (no copy-back)")
+                         f"{type(diffusion_model).__name__} (e.g. {min(extra)}); {_INSTEAD}")
+
+
+def _read_later(st: SafetensorsFile, key: str) -> bool:
+    """Whether a block tensor goes straight into its host mirror (while the blocks are found, every such
+    tensor is a meta tensor): the matrices. ComfyUI reads the values of some small ones while it builds
+    the model (a layer's ``comfy_quant`` JSON, an old file's ``scale_input``, the spread of a Z-Image
+    norm that decides whether fp16 is allowed), so scalars and vectors, a sliver of the bytes, are read
+    at once."""
+    return len(st.shape(key)) >= 2
+
+
+def _inner_tensor_keys(path: str, diffusion_model: nn.Module) -> dict[str, list[str]]:
+    """For each quantized block weight (a wrapper tensor subclass), the keys its inner tensors (data
+    and scales) are saved under, by the layer's own ``state_dict``."""
+    keys: dict[str, list[str]] = {}
+    for blocks in block_list_paths(diffusion_model):
+        for name, module in diffusion_model.get_submodule(blocks).named_modules(prefix=blocks):
+            saved: dict[int, str] | None = None
+            for tensor_name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+                flat, inner = flatten(tensor)
+                if flat is None:  # a plain tensor: its own key
+                    continue
+                if saved is None:
+                    saved = {id(t): key for key, t in module.state_dict(prefix=f"{name}.", keep_vars=True).items()}
+                if any(id(t) not in saved for t in inner):
+                    raise ValueError(f"{Path(path).name}: ComfyUI does not save the parts of {name}.{tensor_name} "
+                                     f"({type(tensor).__name__}) under keys of their own, so they cannot be read "
+                                     f"straight into host memory; {_INSTEAD}")
+                keys[f"{name}.{tensor_name}"] = [saved[id(t)] for t in inner]
+    return keys
 
 
 def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) -> GroupOffloadPatcher:
-    """ComfyUI's ``load_diffusion_model``, with the blocks going straight into pinned host mirrors."""
+    """ComfyUI's ``load_diffusion_model``, with the blocks going straight into pinned host mirrors.
+
+    The block keys are those inside the block lists of the model ComfyUI detects from the file, found on
+    the meta device first. Quantized layers (``comfy_quant`` files, and old scaled-fp8 ones that newest
+    ComfyUI converts) are read the same way: each inner tensor of a quantized weight (data, scales)
+    from its own key.
+    """
     st = SafetensorsFile(path)
-    if _is_quantized(st):
-        raise ValueError(f"{Path(path).name} holds quantized weights, which Group Offload cannot stream yet; "
-                         f"load it with Load Diffusion Model")
-    prefix, blocks_in_file = block_keys(list(st.entries))
-    if not blocks_in_file:
-        raise ValueError(f"{Path(path).name} has no transformer blocks this loader knows; "
-                         f"use Load Diffusion Model followed by Group Offload (no copy-back)")
-    state_dict = {}
     with safetensors.safe_open(path, framework="pt") as f:
-        for key in st.entries:
-            state_dict[key] = st.placeholder(key) if key in blocks_in_file else f.get_tensor(key)
+        state_dict = {key: st.placeholder(key, _META) if _read_later(st, key) else f.get_tensor(key)
+                      for key in st.entries}
+        loaded = as_comfyui_loads(state_dict, st.metadata, model_options)
+        blocks, file_keys = block_keys(loaded, Path(path).name)
+        later = {file_keys[key] for key in blocks}
+        for key, tensor in state_dict.items():  # the meta tensors outside the blocks are read now
+            if tensor.is_meta:
+                state_dict[key] = st.placeholder(key) if key in later else f.get_tensor(key)
     extra = {"disable_dynamic": True} if _ACCEPTS_DISABLE_DYNAMIC else {}
     # Newest ComfyUI takes the offload device from the options: under --gpu-only / --highvram its
     # default is the GPU, where it would move the whole model (0.3.75 always uses its default).
@@ -183,16 +283,19 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     if patcher is None:
         raise RuntimeError(f"ERROR: Could not detect model type of: {path}")
     del state_dict
-    _check_block_keys(path, patcher.model.diffusion_model, {key.removeprefix(prefix) for key in blocks_in_file})
+    diffusion_model = patcher.model.diffusion_model
+    inner_keys = _inner_tensor_keys(path, diffusion_model)
+    _check_block_keys(path, diffusion_model, blocks)
     offloaded = make_offloaded(patcher, settings)
 
     with open(path, "rb") as file:
-        def fill(name: str, view: torch.Tensor) -> None:
-            key = prefix + name.removeprefix("diffusion_model.")
-            if key not in st.entries:
-                raise ValueError(f"{Path(path).name} has no tensor {key} for block weight {name}; "
-                                 f"use Load Diffusion Model followed by Group Offload (no copy-back)")
-            st.read_into(file, key, view)
+        def fill(name: str, tensor: torch.Tensor) -> None:
+            key = name.removeprefix("diffusion_model.")
+            parts = zip(inner_keys[key], flatten(tensor)[1]) if key in inner_keys else [(key, tensor)]
+            for part_key, part in parts:
+                if file_keys.get(part_key) is None:
+                    raise ValueError(f"{Path(path).name} has no tensor for block weight {part_key}; {_INSTEAD}")
+                st.read_into(file, file_keys[part_key], part)
 
         build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it

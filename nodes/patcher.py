@@ -39,8 +39,8 @@ import comfy.utils
 from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
 from comfy.weight_adapter import WeightAdapterBase
 
-from ..offload_core import (GroupOffloadHandle, apply_group_offload, check_offloadable, device_footprint, handle_of,
-                            plan_residency)
+from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, apply_group_offload, check_offloadable,
+                            device_footprint, handle_of, packed_nbytes, plan_residency)
 from .blocks import block_list_owners, block_list_paths, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
@@ -113,7 +113,8 @@ def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
 
 
 def _module_bytes(modules: list[nn.Module]) -> int:
-    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+    """The bytes the modules' tensors hold (a quantized weight's data and scales, at their own size)."""
+    return sum(packed_nbytes(t) for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
 def _slab_bytes(group_bytes: list[int], prefetch: int) -> int:
@@ -181,9 +182,17 @@ class GroupOffloadPatcher(ModelPatcher):
         return freed
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
-        if unpatch_weights:
-            self._release_engine_memory()
-        return super().unpatch_model(device_to, unpatch_weights)
+        if not unpatch_weights:
+            return super().unpatch_model(device_to, unpatch_weights)
+        self._release_engine_memory()
+        # ComfyUI restores the patched weights, then moves the whole model to ``device_to``. The blocks
+        # are the engine's to place, and a quantized layer's ``.to()`` would give it a new Parameter,
+        # which the engine no longer re-points: the move happens here, without them.
+        super().unpatch_model(None, unpatch_weights)
+        if device_to is not None:
+            with _blocks_hidden(self.model.diffusion_model):
+                self.model.to(device_to)
+            self.model.device = device_to
 
     def detach(self, unpatch_all=True):
         # Unloading (``unpatch_all``) gives the engine's device memory back (``unpatch_model``) and
@@ -311,12 +320,12 @@ class BlockPatches:
     def __call__(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` patched exactly as ComfyUI's own load patches it."""
         _, set_func, convert_func = get_key_weight(self._model(), key)
-        if set_func is not None:
-            raise ValueError(f"Group Offload cannot patch {key}: its weight format needs ComfyUI's own loader")
         temp = mm.cast_to_device(weight, weight.device, _lora_dtype(weight.device), copy=True)
-        if convert_func is not None:
+        if convert_func is not None:  # a quantized weight: dequantized
             temp = convert_func(temp, inplace=True)
         out = comfy.lora.calculate_weight(self._patches[key], temp, key)
+        if set_func is not None:  # its layer's own way back (a quantized weight: quantized again)
+            return set_func(out, inplace_update=False, seed=string_to_seed(key), return_weight=True)
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))
 
 
@@ -402,7 +411,7 @@ def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
         for module in block.modules():
             for name, param in module.named_parameters(recurse=False):
                 dtype = getattr(module, f"{name}_comfy_model_dtype", None)
-                if dtype is not None and param.dtype != dtype:
+                if dtype is not None and param.dtype != dtype and type(param) is nn.Parameter:
                     param.data = param.data.to(dtype)
 
 
@@ -455,10 +464,21 @@ def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
     return clone
 
 
+def _check_offloadable(blocks: list[nn.Module]) -> None:
+    try:
+        check_offloadable(blocks)
+    except UnpackableTensorError as error:
+        if error.tensor_type.__name__ != "GGMLTensor":
+            raise
+        raise ValueError("Group Offload cannot stream GGUF models: ComfyUI-GGUF keeps their weights as GGMLTensor, "
+                         "which cannot be rebuilt from packed bytes; use the model's safetensors file (fp8_scaled, "
+                         "fp8mixed, bf16...) with Load Diffusion Model (Group Offload)") from error
+
+
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
-    check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
+    _check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
     clone.__class__ = GroupOffloadPatcher
     clone.offload_settings = settings

@@ -1,7 +1,8 @@
 """Real-ComfyUI test bed: booting ComfyUI, fixture models, a live server and small workflow helpers.
 
-Nothing of ComfyUI or torch is stubbed. The one test-only change to ComfyUI is
-:func:`widen_qwen_detection`, which lets ComfyUI load Qwen-Image models narrower than the real one.
+Nothing of ComfyUI or torch is stubbed. The test-only changes to ComfyUI are to its detection:
+:func:`widen_qwen_detection`, which lets ComfyUI load Qwen-Image models narrower than the real one,
+and ``other_models.save_with_detection``, which makes it detect tiny files of other models.
 
 Importable from tests and from ``bench/`` scripts (put this folder on ``sys.path``). Importing it
 does not import ComfyUI; :func:`boot_comfyui_in_process` and the fixture generators do.

@@ -35,6 +35,22 @@ def host_models() -> tuple[int, int]:
     return len(models), sum(storages.values())
 
 
+def offload_quantized() -> dict:
+    """An fp8 ``comfy_quant`` file under Dynamic VRAM through the node: what its blocks hold then."""
+    import comfy.sd
+    from quantized_files import quantized_qwen_file
+
+    dynamic = comfy.sd.load_diffusion_model(str(quantized_qwen_file("float8_e4m3fn")), model_options=NOT_THE_CPU)
+    offloaded = run_node("GroupOffload", model=dynamic, **OFFLOAD).outputs[0]
+    blocks = offloaded.model.diffusion_model.transformer_blocks
+    return {
+        "dynamic": dynamic.is_dynamic(),
+        "offloaded_dynamic": offloaded.is_dynamic(),
+        "host_bytes": offloaded.engine(torch.device("cpu")).stats()["host_bytes"],  # packs the host copies
+        "weight_types": sorted({type(p).__name__ for name, p in blocks.named_parameters() if name.endswith("to_q.weight")}),
+    }
+
+
 def main(workdir: Path) -> dict:
     import comfy_aimdo.control
 
@@ -67,6 +83,7 @@ def main(workdir: Path) -> dict:
         "deep_clone": [type(deep).__name__, deep.model is not outputs[0].model,
                        deep.offload_settings == outputs[0].offload_settings],
     }
+    results["quantized"] = offload_quantized()
     no_factory = comfy.sd.load_diffusion_model_state_dict(comfy.utils.load_torch_file(path), model_options=NOT_THE_CPU)
     try:
         run_node("GroupOffload", model=no_factory, **OFFLOAD)

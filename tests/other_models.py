@@ -2,9 +2,12 @@
 
 ComfyUI's own detection picks the model class and config from a few seed tensors (only their
 shapes are read); the model is then built on the meta device, so every key and shape is ComfyUI's.
+:func:`save_with_detection` writes a tiny model's own state dict and makes ComfyUI detect its config.
 """
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -60,3 +63,47 @@ def make_tiny_hunyuan_video(path: Path, original_format: bool = False, prefix: s
         tensors = {key.replace("img_attn.qkv.", "img_attn_qkv.").replace("img_mod.lin.", "img_mod.linear."): value
                    for key, value in tensors.items()}
     return _save({prefix + key: value for key, value in tensors.items()}, path)
+
+
+# A tiny file's keys and shapes (after the prefix) -> the config class ComfyUI detects for it, and its unet_config.
+_SAVED_CONFIGS: dict[frozenset[tuple[str, tuple[int, ...]]], tuple[str, dict]] = {}
+
+
+def _layout(state_dict: dict[str, torch.Tensor], prefix: str) -> frozenset[tuple[str, tuple[int, ...]]]:
+    return frozenset((key[len(prefix):], tuple(t.shape)) for key, t in state_dict.items() if key.startswith(prefix))
+
+
+def _detect_saved_configs() -> None:
+    """TEST ONLY: wrap ``comfy.model_detection.model_config_from_unet`` so that it answers a file written
+    by :func:`save_with_detection` with that file's config; any other state dict is detected as before.
+    Idempotent; nothing shipped may call it."""
+    prepare_comfy_import()
+    import comfy.model_detection as model_detection
+    import comfy.supported_models
+
+    original = model_detection.model_config_from_unet
+    if getattr(original, "group_offload_saved_configs", False):
+        return
+
+    @functools.wraps(original)
+    def model_config_from_unet(state_dict, unet_key_prefix, *args, **kwargs):
+        saved = _SAVED_CONFIGS.get(_layout(state_dict, unet_key_prefix))
+        if saved is None:
+            return original(state_dict, unet_key_prefix, *args, **kwargs)
+        config_class, unet_config = saved
+        return getattr(comfy.supported_models, config_class)(copy.deepcopy(unet_config))
+
+    model_config_from_unet.group_offload_saved_configs = True
+    model_detection.model_config_from_unet = model_config_from_unet
+
+
+def save_with_detection(state_dict: dict[str, torch.Tensor], config_class: str, unet_config: dict, path: Path) -> Path:
+    """Write a tiny diffusion model's own ``state_dict`` (ComfyUI's keys, no prefix) to ``path``, and make
+    ComfyUI detect it as ``comfy.supported_models.<config_class>(unet_config)``, for every loader alike.
+
+    ComfyUI reads a few sizes from the weights and takes the rest from the real models (heads of 128,
+    fixed RoPE axes, ...), which a tiny model does not have.
+    """
+    _detect_saved_configs()
+    _SAVED_CONFIGS[_layout(state_dict, "")] = config_class, copy.deepcopy(unet_config)
+    return _save({key: tensor.detach().clone() for key, tensor in state_dict.items()}, path)

@@ -2,7 +2,8 @@
 
 Each model is built the way ComfyUI builds a loaded checkpoint (its ``supported_models`` config, then
 ``get_model``), wrapped in a real ModelPatcher and run through ``BaseModel.apply_model``: once plain,
-with the order of the block calls recorded, then through the Group Offload node.
+with the order of the block calls recorded, then through the Group Offload node. Saved to a file in
+its own keys, it then loads through Load Diffusion Model and through the Group Offload loader.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from comfy_env import run_node
+from other_models import save_with_detection
 from pack_modules import pack_module
 
 OFFLOAD = {"blocks_per_group": 2, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
@@ -276,6 +279,31 @@ def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, nam
     finally:
         mm.unload_all_models()
     assert blocks_module.find_blocks(diffusion_model) == blocks, "the same blocks, in the same order, every call"
+
+
+def save_tiny_file(tiny: TinyModel, path: Path) -> str:
+    """``tiny`` with seeded weights, saved in its own keys; ComfyUI detects ``tiny``'s config from it."""
+    unet_config = {key: value for key, value in tiny.full_config().items() if key != "dtype"}  # the load sets it
+    save_with_detection(build(tiny).model.diffusion_model.state_dict(), tiny.config, unet_config, path)
+    return path.name
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_loader_reads_a_file_in_comfyuis_keys_bit_identically(comfy_models, name):
+    import comfy.model_management as mm
+
+    tiny = MODELS[name]
+    unet_name = save_tiny_file(tiny, comfy_models.models_dir / "diffusion_models" / f"block_finder_{name}.safetensors")
+    plain = run_node("UNETLoader", unet_name=unet_name, weight_dtype="default").outputs[0]
+    expected = denoise(plain, tiny)
+    loaded = run_node("GroupOffloadLoader", unet_name=unet_name, weight_dtype="default", **OFFLOAD).outputs[0]
+    try:
+        assert torch.equal(denoise(loaded, tiny), expected)
+        blocks = pack_module("nodes.blocks").find_blocks(loaded.model.diffusion_model)
+        stats = pack_module("offload_core").handle_of(blocks[0]).stats()
+        assert stats["groups"] == (len(blocks) + 1) // 2 and stats["bytes_d2h"] == 0
+    finally:
+        mm.unload_all_models()
 
 
 class TwoListDiT(nn.Module):

@@ -86,6 +86,13 @@ def test_the_node_keeps_one_host_copy_however_often_it_runs(dynamic_run):
     assert dynamic_run["lora_patches"][0] == 0 < dynamic_run["lora_patches"][2] == dynamic_run["lora_patches"][3]
 
 
+def test_a_quantized_dynamic_model_streams_its_quantized_weights(models, dynamic_run):
+    quantized = dynamic_run["quantized"]
+    assert quantized["dynamic"] and not quantized["offloaded_dynamic"]
+    assert quantized["weight_types"] == ["QuantizedTensor"]
+    assert quantized["host_bytes"] < 0.6 * file_block_bytes(), "fp8 data and scales, not bf16 or float32"
+
+
 def test_deep_clones_of_the_nodes_output_load_again(dynamic_run):
     assert dynamic_run["deep_clone"] == ["GroupOffloadPatcher", True, True]
 

@@ -218,15 +218,3 @@ def test_fixed_plans_ask_comfyui_only_for_what_they_use(models):
     handle = engine(model)
     assert model.model_size() == plain_size - raw_block_bytes(model) + 2 * handle.groups[0].nbytes  # two slabs
     assert model.loaded_size() == model.model_size()
-
-
-def test_quantized_blocks_are_refused_in_the_node(models):
-    plain = load_plain()
-    linear = plain.model.diffusion_model.transformer_blocks[0].img_mlp.net[2]
-    linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(QuantizedStandIn), requires_grad=False)
-    with pytest.raises(ValueError, match="QuantizedStandIn.*quantized weights cannot be offloaded"):
-        offload(plain)
-
-
-class QuantizedStandIn(torch.Tensor):
-    """What newest ComfyUI's QuantizedTensor is to the engine: a tensor subclass."""
