@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import io
 import logging
 import pstats
@@ -45,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO_ROOT))
 
 from offload_core import apply_group_offload  # noqa: E402
+from offload_core.group import HOST  # noqa: E402
 from reporting import fmt, markdown_table  # noqa: E402
 
 log = logging.getLogger("hook_overhead")
@@ -106,6 +108,7 @@ class Config:
     prefetch: int
     resident_fraction: float  # of the groups; 0 = stream every group
     forwards: int
+    quantized: bool = False  # Linear weights as comfy-kitchen fp8 QuantizedTensors (a wrapper subclass)
 
 
 def default_configs(quick: bool = False) -> list[Config]:
@@ -114,8 +117,22 @@ def default_configs(quick: bool = False) -> list[Config]:
         Config("Qwen-like, 1/128 width, stream_all, prefetch 0", 60, 128, 0, 0.0, n),
         Config("Qwen-like, 1/128 width, stream_all, prefetch 1", 60, 128, 1, 0.0, n),
         Config("Qwen-like, 1/128 width, half resident, prefetch 1", 60, 128, 1, 0.5, n),
+        Config("Qwen-like, 1/128 width, fp8 QuantizedTensor weights, stream_all, prefetch 1", 60, 128, 1, 0.0, n,
+               quantized=True),
         Config("Qwen-like, full width (680 MB/group), stream_all, prefetch 1", 2, 1, 1, 0.0, 2 if quick else 4),
     ]
+
+
+def quantize_linears(model: nn.Module, layout: str = "TensorCoreFP8Layout", **options: object) -> None:
+    """Each Linear weight a comfy-kitchen ``QuantizedTensor`` Parameter of ``layout`` (random values),
+    made under inference mode, as newest ComfyUI loads a ``comfy_quant`` checkpoint."""
+    from comfy_kitchen.tensor.base import QuantizedTensor
+
+    with torch.inference_mode():
+        for module in model.modules():
+            if isinstance(module, _Linear):
+                weight = QuantizedTensor.from_float(torch.randn(module.weight.shape), layout, **options)
+                module.weight = nn.Parameter(weight, requires_grad=False)
 
 
 def _median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -143,6 +160,8 @@ def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[st
     """
     torch.manual_seed(0)
     model = QwenLikeModel(config.blocks, config.narrow)
+    if config.quantized:
+        quantize_linears(model)
     x = torch.zeros(1)
     plain = statistics.median(_forward_times(model, x, max(3, config.forwards // 4)))
     handle = apply_group_offload(model, list(model.transformer_blocks), "cpu", prefetch=config.prefetch)
@@ -169,7 +188,7 @@ def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[st
     repeats = 200 if group.nbytes < 2**24 else 3
     copy_us = _median_us(lambda: slab.copy_(group.mirror.buffer), repeats)
     device_views = group.device_views(slab)
-    repoint_us = _median_us(lambda: (group.bind(device_views), group.bind(group.mirror.views)), 200)
+    repoint_us = _median_us(lambda: (group.bind(slab.data_ptr(), device_views), group.bind(HOST, group.mirror.views)), 200)
     handle.remove()
 
     hook_us = statistics.median(per_group_us)
@@ -192,7 +211,7 @@ def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[st
 def run_all(quick: bool = False, profile: bool = False, threads: int = 1) -> tuple[list[dict], str | None]:
     """Every default configuration; with ``profile``, also a cProfile of a separate narrow streamed run."""
     torch.set_num_threads(threads)
-    configs = default_configs(quick)
+    configs = [c for c in default_configs(quick) if not c.quantized or importlib.util.find_spec("comfy_kitchen")]
     results = []
     for config in configs:
         results.append(measure(config))
