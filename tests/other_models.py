@@ -73,28 +73,41 @@ def _layout(state_dict: dict[str, torch.Tensor], prefix: str) -> frozenset[tuple
     return frozenset((key[len(prefix):], tuple(t.shape)) for key, t in state_dict.items() if key.startswith(prefix))
 
 
+class _SavedConfig(dict):
+    """The ``unet_config`` of a file written by :func:`save_with_detection`, with its config class."""
+
+    def __init__(self, config_class: str, unet_config: dict) -> None:
+        super().__init__(copy.deepcopy(unet_config))
+        self.config_class = config_class
+
+
 def _detect_saved_configs() -> None:
-    """TEST ONLY: wrap ``comfy.model_detection.model_config_from_unet`` so that it answers a file written
-    by :func:`save_with_detection` with that file's config; any other state dict is detected as before.
-    Idempotent; nothing shipped may call it."""
+    """TEST ONLY: wrap ``comfy.model_detection.detect_unet_config`` and ``model_config_from_unet_config``
+    so that a file written by :func:`save_with_detection` is detected as that file's config; the rest of
+    ComfyUI's detection (quantized layers, scaled fp8) runs as it is, and any other state dict is detected
+    as before. Idempotent; nothing shipped may call it."""
     prepare_comfy_import()
     import comfy.model_detection as model_detection
     import comfy.supported_models
 
-    original = model_detection.model_config_from_unet
-    if getattr(original, "group_offload_saved_configs", False):
+    detect, config_of = model_detection.detect_unet_config, model_detection.model_config_from_unet_config
+    if getattr(config_of, "group_offload_saved_configs", False):
         return
 
-    @functools.wraps(original)
-    def model_config_from_unet(state_dict, unet_key_prefix, *args, **kwargs):
-        saved = _SAVED_CONFIGS.get(_layout(state_dict, unet_key_prefix))
-        if saved is None:
-            return original(state_dict, unet_key_prefix, *args, **kwargs)
-        config_class, unet_config = saved
-        return getattr(comfy.supported_models, config_class)(copy.deepcopy(unet_config))
+    @functools.wraps(detect)
+    def detect_unet_config(state_dict, key_prefix, *args, **kwargs):
+        saved = _SAVED_CONFIGS.get(_layout(state_dict, key_prefix))
+        return detect(state_dict, key_prefix, *args, **kwargs) if saved is None else _SavedConfig(*saved)
 
-    model_config_from_unet.group_offload_saved_configs = True
-    model_detection.model_config_from_unet = model_config_from_unet
+    @functools.wraps(config_of)
+    def model_config_from_unet_config(unet_config, *args, **kwargs):
+        if isinstance(unet_config, _SavedConfig):
+            return getattr(comfy.supported_models, unet_config.config_class)(dict(unet_config))
+        return config_of(unet_config, *args, **kwargs)
+
+    model_config_from_unet_config.group_offload_saved_configs = True
+    model_detection.detect_unet_config = detect_unet_config
+    model_detection.model_config_from_unet_config = model_config_from_unet_config
 
 
 def save_with_detection(state_dict: dict[str, torch.Tensor], config_class: str, unet_config: dict, path: Path) -> Path:

@@ -25,6 +25,7 @@ API:
     instead of ``comfy_quant`` tensors: what ComfyUI 0.3.75 saves and the only mixed precision it reads;
     newest ComfyUI turns the header into ``comfy_quant`` tensors at load.
 
+- :func:`quantize_state_dict` ``(tensors, fmt, blocks)``: any model's tensors quantized as ``fmt`` says.
 - :func:`quantized_qwen_file` ``(name) -> Path``: the cached file; raises :class:`FormatUnavailable`
   when the running ComfyUI has no quantizer for the format. :func:`source_qwen_file`: the bf16 original.
 - :func:`cpu_skip_reason` ``(name, version) -> str | None``: why plain ComfyUI ``version`` cannot load
@@ -97,9 +98,10 @@ class QuantFormat:
     scale_input: float | None = None
     uint8_block_scales: bool = False
 
-    def quantizes(self, key: str, shape: Sequence[int]) -> bool:
-        """Whether the file quantizes the source tensor ``key`` of this shape."""
-        in_blocks = key.startswith(BLOCK_PREFIX) and key.endswith(".weight") and len(shape) == 2
+    def quantizes(self, key: str, shape: Sequence[int], blocks: tuple[str, ...] = (BLOCK_PREFIX,)) -> bool:
+        """Whether the file quantizes the source tensor ``key`` of this shape, the blocks' keys starting
+        with one of ``blocks``."""
+        in_blocks = key.startswith(blocks) and key.endswith(".weight") and len(shape) == 2
         return in_blocks and (self.layers == "all" or ".attn." in key)
 
 
@@ -195,40 +197,47 @@ def _comfy_quant_tensor(conf: dict[str, object]) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
 
 
-def make_quantized_qwen_image(path: Path, fmt: QuantFormat, source: Path) -> Path:
-    """Write ``source`` (a bf16 tiny Qwen-Image) with its block Linears quantized as ``fmt`` says."""
+def quantize_state_dict(tensors: dict[str, torch.Tensor], fmt: QuantFormat,
+                        blocks: tuple[str, ...] = (BLOCK_PREFIX,)) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """``tensors`` (bf16, ComfyUI's keys) with the Linears of the blocks under ``blocks`` quantized as ``fmt``
+    says, as a file holds them: the tensors and the safetensors metadata."""
     quantize = _quantizer(fmt)
     conf = {"format": fmt.quant_format, **fmt.layer_conf}
-    tensors: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[str, object]] = {}
-    with safe_open(str(source), framework="pt") as f:
-        for key in f.keys():
-            weight = f.get_tensor(key)
-            if not fmt.quantizes(key, weight.shape):
-                tensors[key] = weight
-                continue
-            layer = key.removesuffix(".weight")
-            quantized = quantize(weight, key)
-            if fmt.uint8_block_scales:
-                quantized[f"{key}_scale"] = quantized[f"{key}_scale"].view(torch.uint8)
-            if fmt.container == "scaled_fp8":
-                quantized[f"{layer}.scale_weight"] = quantized.pop(f"{key}_scale")
-                if fmt.scale_input is not None:
-                    quantized[f"{layer}.scale_input"] = torch.tensor(fmt.scale_input, dtype=torch.float32)
-            elif fmt.container == "comfy_quant":
-                quantized[f"{layer}.comfy_quant"] = _comfy_quant_tensor(conf)
-            layers[layer] = conf
-            tensors.update(quantized)
+    for key, weight in tensors.items():
+        if not fmt.quantizes(key, weight.shape, blocks):
+            out[key] = weight
+            continue
+        layer = key.removesuffix(".weight")
+        quantized = quantize(weight, key)
+        if fmt.uint8_block_scales:
+            quantized[f"{key}_scale"] = quantized[f"{key}_scale"].view(torch.uint8)
+        if fmt.container == "scaled_fp8":
+            quantized[f"{layer}.scale_weight"] = quantized.pop(f"{key}_scale")
+            if fmt.scale_input is not None:
+                quantized[f"{layer}.scale_input"] = torch.tensor(fmt.scale_input, dtype=torch.float32)
+        elif fmt.container == "comfy_quant":
+            quantized[f"{layer}.comfy_quant"] = _comfy_quant_tensor(conf)
+        layers[layer] = conf
+        out.update(quantized)
     metadata = None
     if fmt.container == "scaled_fp8":
-        tensors["scaled_fp8"] = torch.tensor([], dtype=torch.float8_e4m3fn)
+        out["scaled_fp8"] = torch.tensor([], dtype=torch.float8_e4m3fn)
     elif fmt.container == "metadata":
         metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    logger.info("quantized %d block Linears as %s (%s)", len(layers), fmt.quant_format, fmt.container)
+    return {key: value.contiguous() for key, value in out.items()}, metadata
+
+
+def make_quantized_qwen_image(path: Path, fmt: QuantFormat, source: Path) -> Path:
+    """Write ``source`` (a bf16 tiny Qwen-Image) with its block Linears quantized as ``fmt`` says."""
+    with safe_open(str(source), framework="pt") as f:
+        tensors, metadata = quantize_state_dict({key: f.get_tensor(key) for key in f.keys()}, fmt)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    save_file({key: value.contiguous() for key, value in tensors.items()}, str(partial), metadata=metadata)
+    save_file(tensors, str(partial), metadata=metadata)
     os.replace(partial, path)
-    logger.info("wrote %s: %d block Linears as %s (%s)", path.name, len(layers), fmt.quant_format, fmt.container)
     return path
 
 

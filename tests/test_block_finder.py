@@ -21,6 +21,7 @@ from torch import nn
 from comfy_env import run_node
 from other_models import save_with_detection
 from pack_modules import pack_module
+from quantized_files import QUANT_FORMATS, cpu_skip_reason, quantize_state_dict
 
 OFFLOAD = {"blocks_per_group": 2, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
 
@@ -302,6 +303,57 @@ def test_the_loader_reads_a_file_in_comfyuis_keys_bit_identically(comfy_models, 
         blocks = pack_module("nodes.blocks").find_blocks(loaded.model.diffusion_model)
         stats = pack_module("offload_core").handle_of(blocks[0]).stats()
         assert stats["groups"] == (len(blocks) + 1) // 2 and stats["bytes_d2h"] == 0
+    finally:
+        mm.unload_all_models()
+
+
+def released_keys(tiny: TinyModel, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` under the names its released checkpoints use where ComfyUI renames at load: each norm
+    weight (1-D ``.weight``) that ComfyUI's ``process_unet_state_dict`` makes of a ``.scale`` (Flux's
+    RMSNorms) is named ``.scale``."""
+    import comfy.supported_models
+
+    config = getattr(comfy.supported_models, tiny.config)(tiny.full_config())
+    released = {}
+    for key, tensor in state_dict.items():
+        scale = key.removesuffix(".weight") + ".scale"
+        renamed = (key.endswith(".weight") and tensor.dim() == 1
+                   and list(config.process_unet_state_dict({scale: tensor})) == [key])
+        released[scale if renamed else key] = tensor
+    return released
+
+
+@pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"], ids=["bf16", "fp8mixed"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma"])
+def test_the_loader_reads_a_flux_family_file_as_released_bit_identically(comfy_models, name, fmt):
+    """Keys as Black Forest Labs' files name them (RMSNorm weights ``.scale``) and, as in Flux 2's official
+    fp8mixed file, the blocks' Linears quantized in ``comfy_quant`` tensors: read straight into the host
+    copies, they give Load Diffusion Model's result, and the quantized weights stream as they are."""
+    import comfy.model_management as mm
+
+    if fmt is not None and (reason := cpu_skip_reason(fmt)):
+        pytest.skip(reason)
+    tiny = MODELS[name]
+    diffusion_model = build(tiny).model.diffusion_model
+    state_dict = released_keys(tiny, diffusion_model.state_dict())
+    if not any(key.endswith(".scale") for key in state_dict):
+        pytest.skip(f"ComfyUI {comfy_version()} renames no {tiny.config} keys at load")
+    blocks = tuple(f"{path}." for path in pack_module("nodes.blocks").block_list_paths(diffusion_model))
+    if fmt is not None:
+        state_dict, _ = quantize_state_dict(state_dict, QUANT_FORMATS[fmt], blocks)
+    unet_config = {key: value for key, value in tiny.full_config().items() if key != "dtype"}
+    path = comfy_models.models_dir / "diffusion_models" / f"released_{name}_{fmt or 'bf16'}.safetensors"
+    save_with_detection(state_dict, tiny.config, unet_config, path)
+    with torch.inference_mode():
+        plain = run_node("UNETLoader", unet_name=path.name, weight_dtype="default").outputs[0]
+        loaded = run_node("GroupOffloadLoader", unet_name=path.name, weight_dtype="default", **OFFLOAD).outputs[0]
+    try:
+        expected = denoise(plain, tiny)
+        assert torch.equal(denoise(loaded, tiny), expected)
+        weights = {type(p).__name__ for p in loaded.model.diffusion_model.parameters()}
+        assert ("QuantizedTensor" in weights) == (fmt is not None)
+        handle = pack_module("offload_core").handle_of(pack_module("nodes.blocks").find_blocks(loaded.model.diffusion_model)[0])
+        assert handle.stats()["bytes_d2h"] == 0
     finally:
         mm.unload_all_models()
 
