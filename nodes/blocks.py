@@ -25,6 +25,8 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # SD 1.x/2.x/XL, SVD: forward_timestep_embed runs the layers of each input/output block one
     # by one; the blocks' own forward never runs, so a wrapped forward would never load them.
     "UNetModel": (),
+    # Wan Animate 2: each block runs through forward_pose / kv_from_input and forward_gen, never its forward.
+    "WanAnimate2Model": (),
     # Lumina 2 / Z-Image, OmniGen 2 and Boogu: the refiners run context_refiner first, against their
     # registration (ref_image_refiner only with reference images). In real checkpoints they are
     # below the share anyway; in shallow ones the rule would take them in the wrong order.
@@ -99,7 +101,7 @@ def _find_paths(diffusion_model: nn.Module) -> tuple[tuple[str, ...], str]:
     table_name, paths = exception
     if not paths:
         raise ValueError(f"{name} has no list of transformer blocks that Group Offload can stream (its blocks "
-                         f"never run as whole modules); connect the model to the sampler without Group Offload")
+                         f"never run through their forward); connect the model to the sampler without Group Offload")
     return paths, f"the exceptions entry for {table_name}"
 
 
