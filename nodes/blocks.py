@@ -6,7 +6,8 @@ most of them, in the order in which the model registers them.  Lists inside a su
 where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
 with blocks of its own).  For the DiTs ComfyUI ships, registration order is the order of the lists'
 first block calls in a forward (``tests/test_block_finder.py`` traces each).
-``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason.
+``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason;
+``_ENTRY_METHODS`` the few that run their blocks through methods other than ``forward``.
 """
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # SD 1.x/2.x/XL, SVD: forward_timestep_embed runs the layers of each input/output block one
     # by one; the blocks' own forward never runs, so a wrapped forward would never load them.
     "UNetModel": (),
-    # Wan Animate 2: each block runs through forward_pose / kv_from_input and forward_gen, never its forward.
-    "WanAnimate2Model": (),
     # Lumina 2 / Z-Image, OmniGen 2 and Boogu: the refiners run context_refiner first, against their
     # registration (ref_image_refiner only with reference images). In real checkpoints they are
     # below the share anyway; in shallow ones the rule would take them in the wrong order.
@@ -35,6 +34,13 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "BooguTransformer2DModel": ("double_stream_layers", "single_stream_layers"),
     # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
     "VaceWanModel": ("blocks",),
+}
+
+# Diffusion model class (or a base class of it) -> the methods it runs each block through, in the order
+# of one visit of a block, where that is not the block's forward.
+_ENTRY_METHODS: dict[str, tuple[str, ...]] = {
+    # Wan Animate 2: forward_pose (or, from its pose cache, kv_from_input), then forward_gen.
+    "WanAnimate2Model": ("forward_pose", "kv_from_input", "forward_gen"),
 }
 
 # Found once per model, while its lists are in place: the patcher hides them during ComfyUI's load.
@@ -101,7 +107,7 @@ def _find_paths(diffusion_model: nn.Module) -> tuple[tuple[str, ...], str]:
     table_name, paths = exception
     if not paths:
         raise ValueError(f"{name} has no list of transformer blocks that Group Offload can stream (its blocks "
-                         f"never run through their forward); connect the model to the sampler without Group Offload")
+                         f"never run as whole modules); connect the model to the sampler without Group Offload")
     return paths, f"the exceptions entry for {table_name}"
 
 
@@ -133,3 +139,11 @@ def find_blocks(diffusion_model: nn.Module) -> list[nn.Module]:
     """Every block of ``diffusion_model``, in execution order."""
     paths = block_list_paths(diffusion_model)
     return [block for path in paths for block in diffusion_model.get_submodule(path).children()]
+
+
+def block_entry_methods(diffusion_model: nn.Module) -> tuple[str, ...]:
+    """The methods through which ``diffusion_model`` runs its blocks (see ``_ENTRY_METHODS``)."""
+    for cls in type(diffusion_model).__mro__:
+        if (names := _ENTRY_METHODS.get(cls.__name__)) is not None:
+            return names
+    return ("forward",)

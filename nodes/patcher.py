@@ -41,7 +41,7 @@ from comfy.weight_adapter import WeightAdapterBase
 
 from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, apply_group_offload, check_offloadable,
                             device_footprint, handle_of, packed_nbytes, plan_residency)
-from .blocks import block_list_owners, block_list_paths, find_blocks
+from .blocks import block_entry_methods, block_list_owners, block_list_paths, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
 
@@ -435,6 +435,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         prefetch=settings.prefetch,
         resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),  # so it pins what will stream
         pin_memory=ComfyPinner.enabled(),
+        entry_methods=block_entry_methods(model.diffusion_model),
         fill=fill,
         pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),

@@ -1,6 +1,7 @@
 """Group offloading without copy-back: hooks, the prefetch schedule and the public entry point.
 
-Per group, per forward (each block's ``forward`` is wrapped):
+Per group, per forward (each block's ``forward`` is wrapped, or the methods a model calls instead, see
+``apply_group_offload``'s ``entry_methods``):
 
 - ``_enter`` (before the group's first block runs): make sure the group is on the device, make the
   compute stream wait for its copy, then start copying the next streamed groups on the side stream;
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 #: Computes a patched weight on the device from the freshly copied one (e.g. LoRA): (name, weight) -> weight.
 PatchFn = Callable[[str, torch.Tensor], torch.Tensor]
 
-# block -> its handle, weak both ways: the wrapped forwards are what keep a handle alive, so a handle
+# block -> its handle, weak both ways: the wrapped methods are what keep a handle alive, so a handle
 # lives exactly as long as its blocks can be reached (or until ``remove()``), and never longer.
 _MANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]" = weakref.WeakKeyDictionary()
 
@@ -59,6 +60,7 @@ class OffloadConfig:
     prefetch: int = 1
     resident_bytes: int = 0
     pin_memory: bool = True
+    entry_methods: tuple[str, ...] = ("forward",)
 
     def validate(self) -> None:
         if not isinstance(self.blocks_per_group, int) or self.blocks_per_group < 1:
@@ -67,6 +69,9 @@ class OffloadConfig:
             raise ValueError(f"prefetch must be an integer >= 0 (0 = synchronous onload), got {self.prefetch!r}")
         if self.resident_bytes < 0:
             raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {self.resident_bytes!r}")
+        names = self.entry_methods
+        if not names or not all(isinstance(name, str) for name in names) or len(set(names)) < len(names):
+            raise ValueError(f"entry_methods must name one or more distinct block methods, got {names!r}")
         if self.offload_device.type != "cpu":
             raise ValueError(f"offload_device must be the CPU (host mirrors live in host memory), got {self.offload_device}")
 
@@ -103,7 +108,7 @@ class GroupOffloadHandle:
         self._patch: PatchFn | None = None
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
         self._patch_bytes = 0
-        self._wrapped = [w for g in self.groups for w in self._wrap_forwards(g)]
+        self._wrapped = [w for g in self.groups for w in self._wrap_entries(g)]
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(config.resident_bytes)
@@ -220,9 +225,9 @@ class GroupOffloadHandle:
             for block in group.blocks:
                 _MANAGED.pop(block, None)
         self._forget_slabs()
-        for block, wrapper in self._wrapped:
-            if block.__dict__.get("forward") is wrapper:
-                del block.forward  # back to the class's forward
+        for block, name, wrapper in self._wrapped:
+            if block.__dict__.get(name) is wrapper:
+                delattr(block, name)  # back to the class's method
             # else someone wrapped it after us: ours stays in their chain, as a plain pass-through
         self._wrapped.clear()
 
@@ -239,31 +244,38 @@ class GroupOffloadHandle:
 
     # --- hooks ------------------------------------------------------------------------------
 
-    def _wrap_forwards(self, group: ModuleGroup) -> list[tuple[nn.Module, Callable]]:
-        """Wrap each block's ``forward`` (as diffusers' hook registry does) rather than register
-        PyTorch module hooks: their dispatch costs more per call than re-pointing a whole group, and
-        a wrapper can put the group back when a forward raises."""
+    def _wrap_entries(self, group: ModuleGroup) -> list[tuple[nn.Module, str, Callable]]:
+        """Wrap each block's entry methods (as diffusers' hook registry wraps ``forward``) rather than
+        register PyTorch module hooks: their dispatch costs more per call than re-pointing a whole
+        group, a wrapper can put the group back when a forward raises, and it works for methods other
+        than ``forward``. Of several entry methods, all but the last one open a visit of a block (in
+        the group's first block: a run of the group) and the last one ends it (in its last block)."""
         wrapped = []
+        names = self.config.entry_methods
+        opening = names[:-1] or names
         for block in group.blocks:
-            wrapper = self._offloaded_forward(group, block.forward, block is group.blocks[0], block is group.blocks[-1])
-            block.forward = wrapper
-            wrapped.append((block, wrapper))
+            for name in names:
+                first = block is group.blocks[0] and name in opening
+                last = block is group.blocks[-1] and name == names[-1]
+                wrapper = self._offloaded_call(group, getattr(block, name), first, last)
+                setattr(block, name, wrapper)
+                wrapped.append((block, name, wrapper))
         return wrapped
 
-    def _offloaded_forward(self, group: ModuleGroup, forward: Callable, first: bool, last: bool) -> Callable:
-        def offloaded_forward(*args, **kwargs):
+    def _offloaded_call(self, group: ModuleGroup, method: Callable, first: bool, last: bool) -> Callable:
+        def offloaded_call(*args, **kwargs):
             if not self._wrapped:  # removed while someone else's wrapper still calls this one
-                return forward(*args, **kwargs)
+                return method(*args, **kwargs)
             try:
                 self._enter(group, first)
-                output = forward(*args, **kwargs)
+                output = method(*args, **kwargs)
             except BaseException:
                 self._leave(group, close=True)  # a failed onload or forward: the group computes from its mirror
                 raise
             self._leave(group, close=last)
             return output
 
-        return offloaded_forward
+        return offloaded_call
 
     @torch.compiler.disable
     def _enter(self, group: ModuleGroup, first: bool) -> None:
@@ -449,6 +461,7 @@ def apply_group_offload(
     resident_bytes: int = 0,
     pin_memory: bool = True,
     *,
+    entry_methods: Sequence[str] = ("forward",),
     fill: FillFn | None = None,
     pinner: Pinner | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -457,13 +470,16 @@ def apply_group_offload(
     """Keep ``blocks`` in packed host mirrors and stream them to ``onload_device`` group by group.
 
     Only the given blocks are managed; everything else in ``model`` is the caller's to place.
+    ``entry_methods`` are the block methods the model runs a block through, in the order one visit
+    of a block calls them (a model may skip the first ones): the group is loaded when one is called
+    and released after the last one of its last block.
     ``fill(name, host_view)`` writes each tensor's weights into its mirror instead of copying the
     module's current tensor (a loader reads a file straight in); ``pinner`` replaces the default
     ``cudaHostRegister`` pinning; ``progress(done, total)`` is called as the groups are built;
     ``runtime`` replaces ``torch.cuda``'s streams, events and allocations (a test's checker).
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
-                           blocks_per_group, prefetch, resident_bytes, pin_memory)
+                           blocks_per_group, prefetch, resident_bytes, pin_memory, tuple(entry_methods))
     config.validate()
     blocks = list(blocks)
     if not blocks:
@@ -472,6 +488,8 @@ def apply_group_offload(
     for i, block in enumerate(blocks):
         if id(block) not in inside:
             raise ValueError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the given model")
+        if missing := [name for name in config.entry_methods if not callable(getattr(block, name, None))]:
+            raise ValueError(f"blocks[{i}] ({type(block).__name__}) has no method {missing[0]!r} of entry_methods")
         if handle_of(block) is not None:
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):

@@ -151,6 +151,10 @@ MODELS = {
             "start_frame": 0, "crossattn_caches": [{"is_init": False} for _ in range(3)],
             "kv_caches": [{"k": torch.zeros(1, 32, 2, 32), "v": torch.zeros(1, 32, 2, 32), "end": 0}
                           for _ in range(3)]}}}),
+    "wan_animate2": TinyModel("WAN_Animate2", dict(  # runs its blocks through forward_pose and forward_gen
+        WAN, model_type="animate2", dim=256, ffn_dim=512, num_layers=4, in_dim=36, out_dim=16),
+        (1, 16, 3, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 20, 3, 8, 8, seed=2),
+                                   "clip_fea": noise(1, 9, 1280, seed=3), "pose_latents": noise(1, 16, 2, 8, 8, seed=4)}),
     "joy_image": TinyModel("JoyImage", dict(
         image_model="joyimage", patch_size=[1, 2, 2], in_channels=4, hidden_size=128, num_attention_heads=1,
         text_dim=32, mlp_width_ratio=2.0, num_layers=3),  # rope_dim_list [16, 56, 56] is fixed: heads of 128
@@ -339,15 +343,27 @@ def denoise(patcher, tiny: TinyModel) -> torch.Tensor:
         return patcher.model.apply_model(noise(*tiny.latent), torch.tensor([0.6]), **tiny.conds())
 
 
-def first_calls(modules: list[nn.Module], run: Callable[[], torch.Tensor]) -> tuple[list[nn.Module], torch.Tensor]:
-    """The modules in the order of their first call during ``run()``, and its result."""
+def first_calls(modules: list[nn.Module], methods: tuple[str, ...],
+                run: Callable[[], torch.Tensor]) -> tuple[list[nn.Module], torch.Tensor]:
+    """The modules in the order of the first call of one of their ``methods`` during ``run()``, and its result."""
     called: list[nn.Module] = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: None if m in called else called.append(m)) for m in modules]
+
+    def recording(module: nn.Module, method: Callable) -> Callable:
+        def record(*args, **kwargs):
+            if module not in called:
+                called.append(module)
+            return method(*args, **kwargs)
+        return record
+
+    for module in modules:
+        for name in methods:
+            setattr(module, name, recording(module, getattr(module, name)))
     try:
         return called, run()
     finally:
-        for hook in hooks:
-            hook.remove()
+        for module in modules:
+            for name in methods:
+                delattr(module, name)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -359,7 +375,8 @@ def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, nam
     plain = build(tiny)
     diffusion_model = plain.model.diffusion_model
     blocks = blocks_module.find_blocks(diffusion_model)
-    order, expected = first_calls(blocks, lambda: denoise(plain, tiny))
+    order, expected = first_calls(blocks, blocks_module.block_entry_methods(diffusion_model),
+                                  lambda: denoise(plain, tiny))
     assert order == blocks, "find_blocks lists every block in the order of its first call"
 
     offloaded = run_node("GroupOffload", model=plain, **OFFLOAD).outputs[0]
@@ -553,22 +570,6 @@ def test_a_unet_is_refused_with_a_clear_message(comfy):
     patcher = ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
     with pytest.raises(ValueError, match="UNetModel has no list of transformer blocks that Group Offload can stream"):
         run_node("GroupOffload", model=patcher, **OFFLOAD)
-
-
-def test_a_model_whose_blocks_run_through_other_methods_is_refused(comfy_models):
-    """Wan Animate 2 calls forward_pose / kv_from_input and forward_gen of each block, never its forward, so a
-    streamed block would compute from host memory: the node and the loader refuse it by name."""
-    import comfy.model_management as mm
-
-    tiny = TinyModel("WAN_Animate2", dict(WAN, model_type="animate2", dim=256, ffn_dim=512, num_layers=4, in_dim=36,
-                                          out_dim=16), (1, 16, 3, 8, 8))
-    message = "WanAnimate2Model has no list of transformer blocks that Group Offload can stream"
-    with pytest.raises(ValueError, match=message):
-        run_node("GroupOffload", model=build(tiny), **OFFLOAD)
-    unet_name = save_tiny_file(tiny, comfy_models.models_dir / "diffusion_models" / "block_finder_animate2.safetensors")
-    with pytest.raises(ValueError, match=message):
-        run_node("GroupOffloadLoader", unet_name=unet_name, weight_dtype="default", **OFFLOAD)
-    mm.unload_all_models()
 
 
 def stable_cascade_c() -> nn.Module:

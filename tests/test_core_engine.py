@@ -240,6 +240,9 @@ def test_progress_is_reported_per_group():
         ({"prefetch": -1}, "prefetch"),
         ({"resident_bytes": -5}, "resident_bytes"),
         ({"offload_device": "meta"}, "offload_device"),
+        ({"entry_methods": ()}, "entry_methods must name one or more distinct block methods"),
+        ({"entry_methods": ("forward", "forward")}, "entry_methods must name one or more distinct block methods"),
+        ({"entry_methods": ("forward", "missing")}, "blocks\\[0\\] \\(Block\\) has no method 'missing'"),
     ],
 )
 def test_bad_arguments(kwargs, message):

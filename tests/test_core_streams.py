@@ -127,3 +127,72 @@ def test_a_refused_registration_leaves_no_error_on_a_real_gpu():
         assert torch.ones(4, device="cuda").add_(1).sum().item() == 8, "no stale error at this launch"
     finally:
         pinner.unpin(buffer)
+
+
+class TwoPhaseNet(nn.Module):
+    """Runs its blocks as Wan Animate 2 does, never through their forward: per block a side phase
+    (``side``, or ``side_cached`` from a cache), then ``main``; optionally every block's side phase
+    first, in a pass of its own."""
+
+    def __init__(self, depth: int = 6, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TwoPhaseBlock(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        side = x.flip(1)
+        if mode == "side_pass_first":
+            for block in self.blocks:
+                side = block.side(side)
+            side = x.flip(1)
+        for block in self.blocks:
+            if mode == "cached":
+                side = block.side_cached(side)
+            elif mode != "main_only":
+                side = block.side(side)
+            x = block.main(x, side)
+        return x
+
+
+class TwoPhaseBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.side_proj = nn.Linear(width, width)
+        self.main_proj = nn.Linear(width, width)
+
+    def side(self, side: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.side_proj(side))
+
+    def side_cached(self, side: torch.Tensor) -> torch.Tensor:
+        return self.side_proj(side) * 0.5
+
+    def main(self, x: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.main_proj(x) + side)
+
+
+@pytest.mark.parametrize("mode", ["side_then_main", "cached", "main_only", "side_pass_first"])
+@pytest.mark.parametrize("blocks_per_group,prefetch", [(1, 0), (1, 1), (2, 2), (3, 1)])
+def test_blocks_run_through_other_methods_stream_once_per_visit(checker, mode, blocks_per_group, prefetch):
+    """Opened by either side method, closed after ``main`` of the group's last block: each group is
+    copied once per loop over the blocks, ordered, whichever phases a pass runs."""
+    torch.manual_seed(0)
+    reference = TwoPhaseNet()
+    offloaded = TwoPhaseNet()
+    offloaded.load_state_dict(reference.state_dict())
+    handle = offload(offloaded, checker, blocks_per_group=blocks_per_group, prefetch=prefetch,
+                     entry_methods=("side", "side_cached", "main"))
+    x = torch.randn(2, 4, 16)
+    with torch.inference_mode():
+        expected = reference(x, mode)
+        assert torch.equal(offloaded(x, mode), expected)
+        handle.reset_stats()
+        for _ in range(2):
+            assert torch.equal(offloaded(x, mode), expected)
+    stats = handle.stats()
+    loops = 2 if mode == "side_pass_first" else 1
+    assert stats["bytes_h2d"] == 2 * loops * stats["streamed_bytes_per_pass"], "one copy per group and loop"
+    assert stats["sync_onloads"] == (2 * loops * len(handle.groups) if prefetch == 0 else 0)
+    assert stats["hook_calls"] == 2 * loops * len(handle.groups), "one group run per loop, not one per method"
+    handle.remove()
+    assert not any(name in vars(block) for block in offloaded.blocks for name in ("side", "side_cached", "main"))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x, mode), expected)
