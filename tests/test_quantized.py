@@ -116,12 +116,21 @@ def test_one_pass_moves_the_quantized_bytes(files, fmt):
     assert stats["bytes_h2d"] == 2 * stats["streamed_bytes_per_pass"] == 2 * sum(g.nbytes for g in handle.groups)
 
 
+LORA_ORDERS = {
+    "lora_then_offload": lambda fmt: offload(with_lora(load_plain(fmt))),
+    "offload_then_lora": lambda fmt: with_lora(offload(load_plain(fmt))),
+    "loader_then_lora": lambda fmt: with_lora(load_offloaded(fmt)),
+}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("order", ["lora_then_offload", "offload_then_lora"])
+@pytest.mark.parametrize("order", LORA_ORDERS)
 def test_lora_on_quantized_layers_gives_comfyuis_latent(files, fmt, order):
+    if order == "loader_then_lora" and comfyui_version() == "0.3.75":
+        pytest.skip("the loader refuses quantized files on ComfyUI 0.3.75 (checked above); they go through the node")
     expected = run_txt2img(with_lora(load_plain(fmt)), seed=3).latent
     assert not torch.equal(expected, run_txt2img(load_plain(fmt), seed=3).latent), "the LoRA must change the result"
-    model = offload(with_lora(load_plain(fmt))) if order == "lora_then_offload" else with_lora(offload(load_plain(fmt)))
+    model = LORA_ORDERS[order](fmt)
     assert torch.equal(run_txt2img(model, seed=3).latent, expected)
     mirrors = [g.mirror.buffer.clone() for g in engine(model).groups]
     run_txt2img(model, seed=3)
