@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import uuid
 import weakref
 from typing import Any, Callable, Iterator
@@ -329,20 +330,45 @@ class BlockPatches:
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))
 
 
-_GUARDS: "weakref.WeakKeyDictionary[nn.Module, torch.utils.hooks.RemovableHandle]" = weakref.WeakKeyDictionary()
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[torch.utils.hooks.RemovableHandle]]" = weakref.WeakKeyDictionary()
 
 
-def _guard_against_plain_patchers(base_model: nn.Module) -> None:
-    """Remove the engine at the first forward of a sampling run that a plain ModelPatcher drives."""
-    model_ref = weakref.ref(base_model)
+def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
+    """Hooks on the diffusion model: the engine goes when a plain ModelPatcher drives it, and its first
+    forward must run blocks through the engine."""
+    diffusion_model = base_model.diffusion_model
+    for hook in _GUARDS.pop(diffusion_model, []):
+        hook.remove()
+    model_ref, handle_ref = weakref.ref(base_model), weakref.ref(handle)
 
-    def check(module, args):
+    def check_patcher(module, args):
         patcher = getattr(model_ref(), "current_patcher", None)
         if patcher is not None and not isinstance(patcher, GroupOffloadPatcher):
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_engine(model_ref())
 
-    _GUARDS[base_model.diffusion_model] = base_model.diffusion_model.register_forward_pre_hook(check)
+    unchecked = [True]
+
+    @torch.compiler.disable
+    def check_blocks_ran(module, args, output):
+        engine = handle_ref()
+        if not unchecked[0] or engine is None:
+            return
+        unchecked[0] = False
+        if engine.stats()["hook_calls"]:
+            return
+        ran = (f"Group Offload: {type(module).__name__} ran without running any of its blocks through "
+               f"{' / '.join(engine.config.entry_methods)}")
+        if output is not None:
+            raise RuntimeError(f"{ran}, so they computed from host memory instead of streaming; it runs them some "
+                               f"other way: connect the model to the sampler without Group Offload")
+        error = sys.exc_info()[1]  # the forward raised: this hook runs while it propagates
+        if error is not None:
+            error.add_note(f"{ran} before this error. If it is a device mismatch, the model runs its blocks some "
+                           f"other way, which Group Offload cannot stream: connect it to the sampler without it.")
+
+    _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(check_patcher),
+                                diffusion_model.register_forward_hook(check_blocks_ran, always_call=True)]
 
 
 def _unpin_unloaded_models(keep: nn.Module | None) -> int:
@@ -387,9 +413,8 @@ def remove_engine(base_model: nn.Module) -> None:
     handle = handle_of(blocks[0]) if blocks else None
     if handle is not None:
         handle.remove()
-    guard = _GUARDS.pop(base_model.diffusion_model, None)
-    if guard is not None:
-        guard.remove()
+    for hook in _GUARDS.pop(base_model.diffusion_model, []):
+        hook.remove()
 
 
 def _wanted_resident_bytes(settings: OffloadSettings, device: torch.device, other_bytes: int,
@@ -440,7 +465,7 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
-    _guard_against_plain_patchers(model)
+    _guard(model, handle)
     return handle
 
 

@@ -572,6 +572,35 @@ def test_a_unet_is_refused_with_a_clear_message(comfy):
         run_node("GroupOffload", model=patcher, **OFFLOAD)
 
 
+@pytest.mark.parametrize("forward_raises", [False, True], ids=["forward_returns", "forward_raises"])
+def test_blocks_run_some_other_way_are_named_at_the_first_forward(comfy, monkeypatch, forward_raises):
+    """Without its entry methods, Wan Animate 2's blocks run past the engine, from host memory (on a GPU: a
+    device mismatch): the first forward says so, as its error or as a note on the error it raised."""
+    import comfy.model_management as mm
+
+    tiny = MODELS["wan_animate2"]
+    patcher = build(tiny)  # skips where ComfyUI has no Wan Animate 2
+    monkeypatch.delitem(pack_module("nodes.blocks")._ENTRY_METHODS, "WanAnimate2Model")
+    if forward_raises:
+        from comfy.ldm.wan.model_animate2 import WanAnimate2Block
+
+        def device_mismatch(*args, **kwargs):
+            raise RuntimeError("Expected all tensors to be on the same device")
+        monkeypatch.setattr(WanAnimate2Block, "forward_gen", device_mismatch)
+    offloaded = run_node("GroupOffload", model=patcher, **OFFLOAD).outputs[0]
+    named = "Group Offload: WanAnimate2Model ran without running any of its blocks through forward"
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            denoise(offloaded, tiny)
+        if forward_raises:
+            assert str(raised.value) == "Expected all tensors to be on the same device"
+            assert any(note.startswith(named) for note in raised.value.__notes__)
+        else:
+            assert str(raised.value).startswith(named)
+    finally:
+        mm.unload_all_models()
+
+
 def stable_cascade_c() -> nn.Module:
     """Stage C's levels are lists of ResBlock, TimestepBlock and AttnBlock in turn, in a list of levels."""
     import comfy.supported_models
