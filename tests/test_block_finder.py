@@ -140,6 +140,13 @@ MODELS = {
         (1, 16, 2, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 4, 2, 8, 8, seed=2),
                                    "clip_fea": noise(1, 9, 1280, seed=3), "pose_latents": noise(1, 20, 2, 4, 4, seed=4),
                                    "reference_latent": noise(1, 20, 1, 8, 8, seed=5)}),
+    "wan21_scail2": TinyModel("WAN21_SCAIL2", dict(  # SCAIL with a mask stream added to both inputs
+        WAN, model_type="scail2", dim=256, ffn_dim=512, num_layers=4, in_dim=20, out_dim=16),
+        (1, 16, 2, 8, 8), lambda: {"c_crossattn": text(), "c_concat": noise(1, 4, 2, 8, 8, seed=2),
+                                   "clip_fea": noise(1, 9, 1280, seed=3), "pose_latents": noise(1, 20, 2, 4, 4, seed=4),
+                                   "reference_latent": noise(1, 20, 1, 8, 8, seed=5),
+                                   "ref_mask_latents": noise(1, 28, 3, 8, 8, seed=6),
+                                   "sam_latents": noise(1, 28, 2, 4, 4, seed=7)}),
     "wan22_wandancer": TinyModel("WAN22_WanDancer", dict(
         WAN, model_type="wandancer", dim=256, ffn_dim=1024, num_layers=6, in_dim=36, out_dim=16,
         audio_inject_layers=[0, 3], music_dim=32, music_heads=2, music_feature_dim=35, music_latent_dim=32),
@@ -214,12 +221,22 @@ MODELS = {
     "hunyuan3d2": TinyModel("Hunyuan3Dv2", dict(
         image_model="hunyuan3d2", in_channels=8, context_in_dim=32, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2,
         depth_single_blocks=3, guidance_embed=False), (1, 8, 16)),
+    "hunyuan3d2_1": TinyModel("Hunyuan3Dv2_1", dict(  # skip connections in the second half, MoE in the last layers
+        image_model="hunyuan3d2_1", in_channels=8, hidden_size=64, context_dim=32, depth=4, num_heads=2,
+        num_moe_layers=1, num_experts=2, moe_top_k=1, guidance_cond_proj_dim=None),
+        (2, 8, 16), lambda: {"c_crossattn": noise(2, 5, 32, seed=1)}),  # cond and uncond: 0.3.75 needs both
     "z_image": TinyModel("ZImage", dict(
         image_model="lumina2", patch_size=2, in_channels=4, dim=256, n_layers=3, n_refiner_layers=2, n_heads=2,
         n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=32,
         axes_dims=[32, 48, 48], axes_lens=[64, 64, 64], z_image_modulation=True, time_scale=1000.0,
         pad_tokens_multiple=4),
         (1, 4, 8, 8), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "z_image_pixel": TinyModel("ZImagePixelSpace", dict(  # Z-Image's layers, an MLP decoder of res_blocks on pixels
+        image_model="zimage_pixel", patch_size=2, in_channels=3, dim=256, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=32,
+        axes_dims=[32, 48, 48], axes_lens=[64, 64, 64], z_image_modulation=True, time_scale=1000.0,
+        pad_tokens_multiple=4, decoder_hidden_size=32, decoder_num_res_blocks=2, decoder_max_freqs=4),
+        (1, 3, 16, 16), lambda: {"c_crossattn": text(), "num_tokens": 5}),
     "qwen_image": TinyModel("QwenImage", dict(
         image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
@@ -340,7 +357,7 @@ def denoise(patcher, tiny: TinyModel) -> torch.Tensor:
 
     mm.load_models_gpu([patcher])
     with torch.inference_mode():
-        return patcher.model.apply_model(noise(*tiny.latent), torch.tensor([0.6]), **tiny.conds())
+        return patcher.model.apply_model(noise(*tiny.latent), torch.full(tiny.latent[:1], 0.6), **tiny.conds())
 
 
 def first_calls(modules: list[nn.Module], methods: tuple[str, ...],
@@ -601,16 +618,24 @@ def test_blocks_run_some_other_way_are_named_at_the_first_forward(comfy, monkeyp
         mm.unload_all_models()
 
 
-def stable_cascade_c() -> nn.Module:
-    """Stage C's levels are lists of ResBlock, TimestepBlock and AttnBlock in turn, in a list of levels."""
+CASCADE_STAGES = {  # each level a list of ResBlock, TimestepBlock and AttnBlock in turn, in a list of levels
+    "c": {"c_cond": 32, "c_hidden": [32, 32], "nhead": [2, 2], "blocks": [[2, 2], [2, 2]], "c_clip_text": 32,
+          "c_clip_text_pooled": 32, "c_clip_img": 32},
+    "b": {"c_cond": 32, "c_hidden": [32, 32, 32, 32], "nhead": [-1, -1, 2, 2], "blocks": [[1, 1, 1, 1], [1, 1, 1, 1]],
+          "block_repeat": [[1, 1, 1, 1], [1, 1, 1, 1]], "c_clip": 32},
+}
+
+
+def stable_cascade(stage: str) -> nn.Module:
     import comfy.supported_models
 
-    config = {"stable_cascade_stage": "c", "c_cond": 32, "c_hidden": [32, 32], "nhead": [2, 2],
-              "blocks": [[2, 2], [2, 2]], "c_clip_text": 32, "c_clip_text_pooled": 32, "c_clip_img": 32}
-    return comfy.supported_models.Stable_Cascade_C(config).get_model({}).diffusion_model  # (meta is slower here)
+    config_class = getattr(comfy.supported_models, f"Stable_Cascade_{stage.upper()}")
+    config = {"stable_cascade_stage": stage, **CASCADE_STAGES[stage]}
+    return config_class(config).get_model({}).diffusion_model  # (meta is slower here)
 
 
-@pytest.mark.parametrize("make", [stable_cascade_c, lambda: nn.Linear(2, 2)], ids=["stable_cascade", "linear"])
+@pytest.mark.parametrize("make", [lambda: stable_cascade("c"), lambda: stable_cascade("b"), lambda: nn.Linear(2, 2)],
+                         ids=["stable_cascade_c", "stable_cascade_b", "linear"])
 def test_a_model_without_repeated_blocks_is_named(comfy, make):
     model = make()
     with pytest.raises(ValueError, match=f"where {type(model).__name__} keeps its blocks: no list of repeated modules"):
