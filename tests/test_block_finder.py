@@ -44,6 +44,7 @@ class TinyModel:
     conds: Callable[[], dict] = field(default=lambda: {"c_crossattn": text()})
     params: str = ""  # the dataclass of the constructor's arguments, where newer ComfyUI added required ones
     newer_fields: dict = field(default_factory=dict)  # those fields, given only where ``params`` has them
+    outside: Callable[[], dict] = dict  # checkpoint tensors beside the diffusion model that ``get_model`` reads
 
     def full_config(self) -> dict:
         config = {**self.unet_config, "dtype": torch.float32}
@@ -52,6 +53,17 @@ class TinyModel:
             declared = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
             config.update({k: v for k, v in self.newer_fields.items() if k in declared})
         return config
+
+
+def seconds_conditioners(*names: str, **kwargs) -> Callable[[], dict]:
+    """The weights of Stable Audio's seconds conditioners, which its ``get_model`` reads from the checkpoint."""
+    def weights() -> dict:
+        from comfy.ldm.audio.embedders import NumberConditioner
+
+        torch.manual_seed(0)
+        return {f"conditioner.conditioners.{name}.{key}": tensor for name in names
+                for key, tensor in NumberConditioner(768, **kwargs).state_dict().items()}
+    return weights
 
 
 FLUX_LIKE = dict(hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12])
@@ -237,6 +249,15 @@ MODELS = {
         axes_dims=[32, 48, 48], axes_lens=[64, 64, 64], z_image_modulation=True, time_scale=1000.0,
         pad_tokens_multiple=4, decoder_hidden_size=32, decoder_num_res_blocks=2, decoder_max_freqs=4),
         (1, 3, 16, 16), lambda: {"c_crossattn": text(), "num_tokens": 5}),
+    "stable_audio": TinyModel("StableAudio", dict(
+        audio_model="dit1.0", io_channels=8, embed_dim=64, cond_token_dim=32, global_cond_dim=64, depth=3, num_heads=2),
+        (1, 8, 16), lambda: {"c_crossattn": text(), "global_embed": noise(1, 64, seed=2)},
+        outside=seconds_conditioners("seconds_start", "seconds_total")),
+    "stable_audio3": TinyModel("StableAudio3", dict(  # the global condition embedded once, shared by the layers
+        audio_model="dit1.0", io_channels=8, embed_dim=64, cond_token_dim=32, global_cond_dim=64, depth=3, num_heads=2,
+        global_cond_shared_embed=True, global_cond_type="adaLN", timestep_features_type="expo"),
+        (1, 8, 16), lambda: {"c_crossattn": text(), "global_embed": noise(1, 64, seed=2)},
+        outside=seconds_conditioners("seconds_total", fourier_features_type="expo")),
     "qwen_image": TinyModel("QwenImage", dict(
         image_model="qwen_image", in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 14, 14)), (1, 16, 1, 8, 8)),
@@ -332,16 +353,22 @@ def comfy_version() -> str:
     return comfyui_version.__version__
 
 
+def supported_config(name: str) -> type:
+    """``comfy.supported_models.<name>``; the test is skipped where this ComfyUI has no such model."""
+    import comfy.supported_models
+
+    config_class = getattr(comfy.supported_models, name, None)
+    if config_class is None:
+        pytest.skip(f"ComfyUI {comfy_version()} has no {name} model")
+    return config_class
+
+
 def build(tiny: TinyModel):
     """ComfyUI's BaseModel for ``tiny`` with seeded weights, in a plain ModelPatcher."""
     import comfy.model_management as mm
-    import comfy.supported_models
     from comfy.model_patcher import ModelPatcher
 
-    config_class = getattr(comfy.supported_models, tiny.config, None)
-    if config_class is None:
-        pytest.skip(f"ComfyUI {comfy_version()} has no {tiny.config} model")
-    model = config_class(tiny.full_config()).get_model({})
+    model = supported_config(tiny.config)(tiny.full_config()).get_model(tiny.outside())
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # every tensor a checkpoint holds: ComfyUI's ops leave them uninitialised
         for tensor in model.diffusion_model.state_dict().values():
@@ -426,6 +453,8 @@ def test_the_loader_reads_a_file_in_comfyuis_keys_bit_identically(comfy_models, 
     import comfy.model_management as mm
 
     tiny = MODELS[name]
+    if supported_config(tiny.config) and tiny.outside():
+        pytest.skip(f"Load Diffusion Model cannot load {tiny.config} from a file of its diffusion model alone")
     unet_name = save_tiny_file(tiny, comfy_models.models_dir / "diffusion_models" / f"block_finder_{name}.safetensors")
     plain = run_node("UNETLoader", unet_name=unet_name, weight_dtype="default").outputs[0]
     expected = denoise(plain, tiny)
@@ -554,17 +583,21 @@ REAL_SIZE = {
     "Ideogram4": ("layers",),
     "CogVideoX_T2V": ("blocks",),
     "Krea2": ("blocks",),
+    "Anima": ("blocks",),
+}
+# Sizes that a config's defaults lack and ComfyUI reads from the checkpoint (Anima's released file: a
+# 2048-wide Cosmos Predict 2 trunk of 28 blocks, beside a 6-layer text adapter that a tiny trunk would outweigh).
+REAL_SIZE_CONFIGS = {
+    "Anima": {**MODELS["cosmos_predict2"].unet_config, "image_model": "anima", "in_channels": 16,
+              "out_channels": 16, "model_channels": 2048, "num_blocks": 28, "num_heads": 16, "crossattn_emb_channels": 1024,
+              "adaln_lora_dim": 256, "max_img_h": 240, "max_img_w": 240, "max_frames": 128},
 }
 
 
 def meta_model(config: str) -> nn.Module:
-    import comfy.supported_models
-
-    config_class = getattr(comfy.supported_models, config, None)
-    if config_class is None:
-        pytest.skip(f"ComfyUI {comfy_version()} has no {config} model")
+    config_class = supported_config(config)
     with torch.device("meta"):
-        return config_class(dict(config_class.unet_config)).get_model({}).diffusion_model
+        return config_class(REAL_SIZE_CONFIGS.get(config, dict(config_class.unet_config))).get_model({}).diffusion_model
 
 
 @pytest.mark.parametrize("config, paths", REAL_SIZE.items(), ids=list(REAL_SIZE))
