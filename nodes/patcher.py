@@ -347,14 +347,15 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_engine(model_ref())
 
-    unchecked = [True]
+    checked = False
 
     @torch.compiler.disable
     def check_blocks_ran(module, args, output):
+        nonlocal checked
         engine = handle_ref()
-        if not unchecked[0] or engine is None:
+        if checked or engine is None:
             return
-        unchecked[0] = False
+        checked = True
         if engine.stats()["hook_calls"]:
             return
         ran = (f"Group Offload: {type(module).__name__} ran without running any of its blocks through "

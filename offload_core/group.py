@@ -55,16 +55,14 @@ class _Binding:
         for slots, name in self.buffer_slots:
             slots[name] = tensor
 
-    def forget_device_layouts(self) -> None:
-        """Drop what is kept per device layout (a plain tensor keeps nothing: its views are the group's)."""
-
 
 class _WrapperBinding(_Binding):
     """A wrapper subclass (a quantized weight): rebuilt per layout from its inner views.
 
-    A Parameter keeps its identity: its content is exchanged (``torch.utils.swap_tensors``) with a
-    tensor rebuilt for the wanted layout, which then holds the layout shown before, for the next
-    exchange back (assigning ``.data`` would replace only the outer shell, not the inner tensors).
+    A Parameter keeps its identity: its content is exchanged (as ``torch.utils.swap_tensors`` does,
+    see ``show``) with a tensor rebuilt for the wanted layout, which then holds the layout shown
+    before, for the next exchange back (assigning ``.data`` would replace only the outer shell, not
+    the inner tensors).
     """
 
     __slots__ = ("flat", "inference", "_held", "_shown", "_lean")
