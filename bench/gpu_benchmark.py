@@ -1,35 +1,38 @@
-"""GPU benchmark: full-size Qwen-Image (60 blocks, bf16, random weights) streamed under a VRAM cap.
+"""GPU benchmark: full-size Qwen-Image through ComfyUI's sampler, this pack against ComfyUI as shipped.
 
-One command, on a machine with CUDA (< 8 minutes on one H200 or A100)::
+One command, on a machine with CUDA (about 6 minutes on one H200)::
 
     .venv/bin/python bench/gpu_benchmark.py            # results in $OUT, else .artifacts/gpu
-    .venv/bin/python bench/gpu_benchmark.py --smoke    # the same code paths on the CPU, tiny model
+    .venv/bin/python bench/gpu_benchmark.py --smoke    # every family and row, tiny, on the CPU
 
-The model is ComfyUI's own ``QwenImageTransformer2DModel`` (``comfy.ops.disable_weight_init``,
-bf16), built on the meta device and given seeded random weights tiled from one random pool, written
-straight into the engine's host mirrors (or into host tensors for the modes that need them).  No
-file.  Each step is one forward of batch 2 at 1664×928 with 128 text tokens: cond and uncond
-batched as ComfyUI's sampler runs them when they fit, so the weights cross the bus once per step.
+The model is ComfyUI's own Qwen-Image (60 blocks, 40.8 GB in bf16) with seeded random weights, handed
+to ComfyUI's ``load_diffusion_model_state_dict`` as a loaded file would be. Every row samples it
+through ``comfy.sample.sample`` (KSampler's path: ``load_models_gpu`` with the latent's memory
+estimate, cond and uncond batched when ComfyUI finds room) at 1664×928 with 128 text tokens, euler,
+cfg 4: one warm-up step (it includes the load), then the timed steps, each ended by a device sync.
 
-The pinned host-to-device bandwidth is measured first.  Then, each family in its own process (host
-memory is freed between them):
+**The cap is a balloon**: before a capped row, (total − cap) bytes are allocated on the card and
+held, so that every allocator and every free-memory query (ComfyUI's, comfy-aimdo's, the pack's
+``auto``) sees a card of that size. Caps: 40 and 24 GiB in bf16, 16 GiB in fp8.
 
-- ``pack``      all resident (uncapped reference); this pack at prefetch 0 and 1 (stream_all) and
-                with ``auto``-like residency (budget = cap − activation reserve − weights outside the
-                blocks − streaming slabs, the reserve measured on the prefetch-0 run); the copy-back
-                baseline (``bench/copy_back.py``);
-- ``comfy``     ComfyUI core partial loading (``ModelPatcher`` lowvram with its pinned memory and
-                async offload streams), weights budget = cap − activation reserve;
-- ``diffusers`` diffusers' own ``enable_group_offload`` (block_level, 1 block per group) on its
-                Qwen-Image transformer, ``use_stream`` False and True (skipped when not importable).
+Families, each in its own process (one per way ComfyUI starts), each printing one ``RESULT`` line
+per row the moment the row ends, so that a row that runs out of time or memory loses only itself:
 
-VRAM is capped with ``torch.cuda.set_per_process_memory_fraction`` at 40 GiB and 24 GiB, each
-clamped to the card's memory (the caching allocator's limit; the CUDA context is outside it).  Modes whose cost does not depend on
-the cap (copy-back, diffusers) run at the smallest cap only; the slow synchronous baselines time
-``--slow-steps`` steps.  Per mode: s/step, ratio to resident, streamed GB/step, achieved GB/s, and
-step time ÷ max(compute time, streamed bytes ÷ pinned bandwidth), with compute time the resident
-run's step (or 60 × one resident block when the model does not fit), and the cost model's estimate
-from the same measured figures.  JSON and markdown go to ``$OUT``.
+- ``shipped``   started as ComfyUI 0.33.0's main.py starts (comfy-aimdo's Dynamic VRAM and the
+                ``cudaMallocAsync`` allocator where it picks them): all resident (uncapped); ComfyUI
+                as shipped at each cap; this pack's node (as a user wires it, on the Dynamic VRAM
+                model) with ``auto``, ``stream_all`` prefetch 1 and 2 at each cap; one profiled step;
+- ``legacy``    ComfyUI with ``--disable-dynamic-vram``: its legacy partial load at each cap;
+- ``fp8``       as ``shipped``, with an fp8 (e4m3fn) checkpoint, at 16 GiB;
+- ``baselines`` bare forwards of the same model outside ComfyUI's sampler: the copy-back baseline
+                (diffusers' group offloading before the fix) and diffusers 0.42's own group
+                offloading, ``use_stream`` False and True (skipped when not importable).
+
+Per row: s/step, × all resident, streamed GB/step, achieved GB/s and its share of the measured
+pinned peak, step ÷ max(compute, streamed bytes ÷ pinned bandwidth), GPU wait ms/step, model calls
+per step, pinned host bytes, peak host RSS. JSON, a markdown table, a PNG chart and the profiled
+step's chrome trace (with the share of that step in which copies and kernels overlapped) go to the
+output folder.
 """
 from __future__ import annotations
 
@@ -37,17 +40,21 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import gzip
 import inspect
 import json
 import logging
 import os
 import platform
+import queue
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import zlib
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,16 +67,18 @@ REPO_ROOT = BENCH_DIR.parent
 sys.path += [str(REPO_ROOT / "tests"), str(REPO_ROOT)]
 
 from copy_back import CopyBackOffload  # noqa: E402
-from offload_core import apply_group_offload  # noqa: E402
-from offload_core.cost_model import DiT, pass_seconds  # noqa: E402
 from reporting import fmt, markdown_table  # noqa: E402
 
 log = logging.getLogger("gpu_benchmark")
 
 GIB = 2**30
-DTYPE = torch.bfloat16
 RESULT_PREFIX = "RESULT "
-FAMILIES = ("pack", "comfy", "diffusers")
+FAMILIES = ("shipped", "legacy", "fp8", "baselines")
+# Seconds each family may take at most on a GPU, in order of importance (the rest of the budget is shared).
+FAMILY_SHARE = {"shipped": 0.5, "legacy": 0.15, "fp8": 0.2, "baselines": 1.0}
+OFFLOAD_ROWS = (("auto", {"residency": "auto", "prefetch": 1}),
+                ("stream_all p1", {"residency": "stream_all", "prefetch": 1}),
+                ("stream_all p2", {"residency": "stream_all", "prefetch": 2}))
 
 
 @dataclass(frozen=True)
@@ -83,47 +92,41 @@ class BenchConfig:
     height: int = 928
     text_tokens: int = 128
     caps_bytes: tuple[int, ...] = (40 * GIB, 24 * GIB)
-    steps: int = 3
-    warmup: int = 1
-    slow_steps: int = 1
-    probe_repeats: int = 5
+    fp8_caps_bytes: tuple[int, ...] = (16 * GIB,)
+    steps: int = 2  # timed, after one warm-up step
     pool_numel: int = 1 << 24  # random values tiled into the weights
-    activation_reserve: int | None = None  # measured by the pack family, used by the comfy family
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu" if self.smoke else "cuda")
 
-    @property
-    def dit(self) -> DiT:
-        """The cost model's view of this transformer (its bytes, for the smoke caps)."""
-        width = self.heads * self.head_dim
-        return DiT(blocks=self.blocks, dim=width, heads=self.heads, ffn=4 * width, joint_dim=self.joint_dim)
-
 
 def smoke_config() -> BenchConfig:
-    """Three blocks of width 64 at 64×64 on the CPU; caps fit all and one group (not enforced on a CPU)."""
-    config = BenchConfig(smoke=True, blocks=3, heads=2, head_dim=32, joint_dim=64, width=64, height=64,
-                         text_tokens=8, steps=1, warmup=1, probe_repeats=1, pool_numel=1 << 12)
-    total = config.dit.total_bytes
-    return dataclasses.replace(config, caps_bytes=(2 * total, total))
+    """Three blocks of width 64 at 64×64 on the CPU; the caps are labels only (nothing is enforced)."""
+    return BenchConfig(smoke=True, blocks=3, heads=2, head_dim=32, joint_dim=64, width=64, height=64,
+                       text_tokens=8, steps=2, pool_numel=1 << 12, caps_bytes=(2 * 2**20, 2**20),
+                       fp8_caps_bytes=(2**20,))
 
 
 @dataclass
-class ModeResult:
+class Row:
     family: str
+    system: str  # all resident | this pack | ComfyUI (Dynamic VRAM) | ComfyUI legacy | copy-back | diffusers
     mode: str
-    label: str
-    cap_bytes: int | None  # None: uncapped
-    transfer: str  # resident | pinned_sync | pinned_prefetch | copy_back | comfy_async | pageable_sync
+    dtype: str
+    cap_bytes: int | None  # None: the whole card
     step_s: list[float] = field(default_factory=list)
-    streamed_bytes: float = 0.0  # host-to-device per step
-    d2h_bytes: float = 0.0  # per step
-    copies: float | None = None  # host-to-device copies per step
-    hook_us_per_group: float | None = None
-    compute_wait_ms: float | None = None  # per step
+    first_step_s: float | None = None  # the warm-up step, the load included
+    streamed_bytes: float | None = None  # host-to-device per step (an estimate for ComfyUI's rows: see note)
+    d2h_bytes: float | None = None
+    copies: float | None = None
+    compute_wait_ms: float | None = None
+    calls_per_step: float | None = None
     resident_groups: int | None = None
-    peak_device_bytes: int | None = None
+    pinned_bytes: int | None = None  # this pack's page-locked mirrors
+    comfy_pinned_bytes: int | None = None  # ComfyUI's own pinned-memory total
+    peak_rss_bytes: int | None = None
+    note: str = ""
     skipped: str | None = None
 
     @property
@@ -131,16 +134,14 @@ class ModeResult:
         return statistics.median(self.step_s) if self.step_s else None
 
 
+def emit(kind: str, payload: dict[str, Any]) -> None:
+    """One line for the parent: a row the moment it ends, or a fact about the family."""
+    print(RESULT_PREFIX + json.dumps({"kind": kind, **payload}), flush=True)
+
+
 # --------------------------------------------------------------------------------------------
-# Shared pieces: ComfyUI import, weights, inputs, timing, the cap
+# Weights, ComfyUI, the balloon
 # --------------------------------------------------------------------------------------------
-
-def import_comfy(config: BenchConfig) -> None:
-    """Make ``import comfy`` resolve to the embedded (or $COMFYUI_PATH) ComfyUI, on the right device."""
-    from comfy_env import prepare_comfy_import
-
-    prepare_comfy_import(cpu=config.smoke)
-
 
 class RandomWeights:
     """Seeded weights like the test fixtures (N(0, 1/fan_in), norm scales 1 + N(0, 0.02²), biases
@@ -157,14 +158,30 @@ class RandomWeights:
             self._scaled[key] = torch.cat([values, values])  # any window of pool length is contiguous
         return self._scaled[key]
 
-    def __call__(self, name: str, out: torch.Tensor) -> None:
+    def _scale(self, name: str, shape: torch.Size) -> tuple[float, float]:
         if name.endswith("bias"):
-            scale, shift = 0.02, 0.0
-        elif out.dim() == 1:
-            scale, shift = 0.02, 1.0
-        else:
-            scale, shift = out.shape[1:].numel() ** -0.5, 0.0
-        pool = self._pool_for(scale, shift, out.dtype)
+            return 0.02, 0.0
+        if len(shape) == 1:
+            return 0.02, 1.0
+        return shape[1:].numel() ** -0.5, 0.0
+
+    def window(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A view of the pool for ``name`` (no memory of its own) when it fits in one window."""
+        pool = self._pool_for(*self._scale(name, shape), dtype)
+        length = pool.numel() // 2
+        if shape.numel() > length:
+            return self.filled(name, shape, dtype)
+        offset = zlib.crc32(name.encode()) % length
+        return pool[offset : offset + shape.numel()].view(shape)
+
+    def filled(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of its own holding ``name``'s values."""
+        out = torch.empty(shape, dtype=dtype)
+        self(name, out)
+        return out
+
+    def __call__(self, name: str, out: torch.Tensor) -> None:
+        pool = self._pool_for(*self._scale(name, out.shape), out.dtype)
         length = pool.numel() // 2
         flat, offset = out.view(-1), zlib.crc32(name.encode()) % length
         for start in range(0, flat.numel(), length):
@@ -172,127 +189,263 @@ class RandomWeights:
             chunk.copy_(pool[offset : offset + chunk.numel()])
 
 
-def build_comfy_model(config: BenchConfig) -> nn.Module:
-    """ComfyUI's QwenImageTransformer2DModel in bf16, on host memory that no one has touched yet."""
+def comfy_qwen_shapes(config: BenchConfig) -> dict[str, torch.Size]:
+    """The state-dict shapes of ComfyUI's Qwen-Image at this size (built on meta: no memory)."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
     from comfy_env import qwen_rope_axes
 
     model = QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
                                         num_attention_heads=config.heads, joint_attention_dim=config.joint_dim,
-                                        axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=DTYPE,
+                                        axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=torch.bfloat16,
                                         device="meta", operations=comfy.ops.disable_weight_init)
-    return model.to_empty(device="cpu").eval().requires_grad_(False)
+    return {name: t.shape for name, t in model.state_dict().items()}
 
 
-def fill_tensors(module: nn.Module, fill: RandomWeights, skip: Container[int] = frozenset(), prefix: str = "") -> None:
-    """Write ``fill``'s values into every parameter and buffer of ``module`` not in ``skip`` (by id)."""
-    for name, tensor in [*module.named_parameters(prefix), *module.named_buffers(prefix)]:
-        if id(tensor) not in skip:
-            fill(name, tensor.data)
+def random_state_dict(config: BenchConfig, dtype: torch.dtype, owned: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint as ComfyUI's loader would read it. ``owned``: every tensor has its own memory
+    (Dynamic VRAM takes the tensors as the model's weights); else views of one pool, which a
+    copying load turns into distinct weights without holding the model twice."""
+    weights = RandomWeights(config.pool_numel)
+    make = weights.filled if owned else weights.window
+    return {name: make(name, shape, dtype if len(shape) > 1 else torch.bfloat16)  # fp8 files keep 1-D tensors bf16
+            for name, shape in comfy_qwen_shapes(config).items()}
 
 
-def module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+def start_comfyui(config: BenchConfig, dynamic: bool) -> str:
+    """Import ComfyUI into this process as main.py starts it; returns which patcher it runs.
 
-
-def comfy_forward(model: nn.Module, config: BenchConfig) -> Callable[[], Any]:
-    """One ComfyUI-style model call: batch 2 (cond + uncond), 5-D latent, bf16."""
-    generator = torch.Generator().manual_seed(0)
-    shape = (2, 16, 1, config.height // 8, config.width // 8)
-    x = torch.randn(shape, generator=generator).to(config.device, DTYPE)
-    context = torch.randn(2, config.text_tokens, config.joint_dim, generator=generator).to(config.device, DTYPE)
-    timestep = torch.full((2,), 0.5, device=config.device)
-    return lambda: model(x, timestep, context, transformer_options={})
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> list[float]:
-    with torch.inference_mode():
-        for _ in range(warmup):
-            step()
-        synchronize(device)
-        seconds = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def device_caps(config: BenchConfig) -> list[int]:
-    """The caps, each clamped to the GPU's memory (a 40 GiB cap on an A100 40G is the whole card)."""
-    if config.device.type != "cuda":
-        return list(config.caps_bytes)
-    total = torch.cuda.get_device_properties(config.device).total_memory
-    return [min(cap, total) for cap in config.caps_bytes]
-
-
-@contextlib.contextmanager
-def memory_cap(cap: int | None, device: torch.device) -> Iterator[None]:
-    """Cap the caching allocator at ``cap`` bytes (nothing is enforced on a CPU)."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), device)
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
-        yield
-    finally:
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-
-
-def peak_device_bytes(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def run_mode(result: ModeResult, step: Callable[[], Any], config: BenchConfig, meter: Any = None,
-             slow: bool = False) -> ModeResult:
-    """Time ``step`` under the result's cap; ``meter`` (a handle or the copy-back) fills the ledger columns.
-
-    ``slow`` modes (the synchronous baselines) time ``slow_steps`` steps without a warm-up: they run
-    after other modes in the same process, and one of their steps takes tens of seconds on a GPU.
+    ``dynamic``: comfy-aimdo's library first, then its devices, ``ModelPatcherDynamic`` as the core
+    patcher and the global switch, as main.py does by default. Without CUDA (``--smoke``) ComfyUI
+    runs ``--cpu``, which switches Dynamic VRAM off in main.py too.
     """
-    steps, warmup = (config.slow_steps, 0) if slow else (config.steps, config.warmup)
+    from comfy_env import boot_comfyui_in_process, prepare_comfy_import, widen_qwen_detection
+
+    prepare_comfy_import(cpu=config.smoke)
+    if dynamic and not config.smoke:
+        import comfy_aimdo.control
+
+        _call_first_accepted(comfy_aimdo.control.init, dict(simple_vram_headroom=None, nvml_pressure=True),
+                             dict(simple_vram_headroom=None), {})
+    boot_comfyui_in_process(cpu=config.smoke)
+    if config.smoke:
+        widen_qwen_detection()  # the tiny model's widths (full-size Qwen-Image is detected as it is)
+    if not dynamic or config.smoke:
+        return "legacy ModelPatcher"
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy_aimdo.control
+    from comfy.cli_args import args
+
+    devices = mm.get_all_torch_devices()
     try:
-        with memory_cap(result.cap_bytes, config.device):
-            time_steps(step, config.device, warmup, 0)
-            if meter is not None:
-                meter.reset_stats()
-            result.step_s = time_steps(step, config.device, 0, steps)
-            result.peak_device_bytes = peak_device_bytes(config.device)
+        started = comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * GIB)) for d in devices)
+    except TypeError:
+        started = comfy_aimdo.control.init_devices(d.index for d in devices)
+    if not started:
+        return "legacy ModelPatcher (comfy-aimdo did not start)"
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return "Dynamic VRAM (ModelPatcherDynamic)"
+
+
+def _call_first_accepted(function: Callable[..., Any], *keyword_sets: dict[str, Any]) -> Any:
+    """``function(**kwargs)`` with the first keyword set this version accepts (older protocols take fewer)."""
+    for kwargs in keyword_sets[:-1]:
+        try:
+            return function(**kwargs)
+        except TypeError:
+            continue
+    return function(**keyword_sets[-1])
+
+
+def comfy_allocator_env() -> dict[str, str]:
+    """``PYTORCH_CUDA_ALLOC_CONF`` as ComfyUI's main.py sets it (its ``cuda_malloc`` module decides)."""
+    from comfy_env import comfyui_path
+
+    probe = ("import os, sys; sys.path.insert(0, sys.argv[1]); import cuda_malloc; "
+             "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")
+    done = subprocess.run([sys.executable, "-c", probe, str(comfyui_path())], capture_output=True, text=True,
+                          cwd=comfyui_path())
+    value = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    return {"PYTORCH_CUDA_ALLOC_CONF": value} if value else {}
+
+
+def load_comfy_model(config: BenchConfig, dtype: torch.dtype, dynamic_patcher: bool) -> Any:
+    """A MODEL from ComfyUI's own loader, with a loader ComfyUI can call again (as for a file)."""
+    import comfy.sd
+
+    accepts = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
+
+    def load(disable_dynamic: bool = False) -> Any:
+        owned = not disable_dynamic and dynamic_patcher  # Dynamic VRAM keeps the tensors it is given
+        state_dict = random_state_dict(config, dtype, owned=owned)
+        extra = {"disable_dynamic": disable_dynamic} if accepts else {}
+        return comfy.sd.load_diffusion_model_state_dict(state_dict, model_options={}, **extra)
+
+    model = load(disable_dynamic=not dynamic_patcher)
+    model.cached_patcher_init = (load, ())
+    return model
+
+
+class Balloon:
+    """Holds (total − cap) bytes of the card so that everyone sees a card of ``cap`` bytes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._held: torch.Tensor | None = None
+
+    def set_cap(self, cap: int | None) -> None:
+        """Unload every model (ComfyUI loads again at the next run, planning against the new card)."""
+        import comfy.model_management as mm
+
+        self._held = None
+        mm.unload_all_models()
+        gc.collect()
+        mm.soft_empty_cache(True)
+        if self.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        if cap is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            self._held = torch.empty(max(0, total - cap), dtype=torch.uint8, device=self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# One row: a sampling run through ComfyUI, timed per step
+# --------------------------------------------------------------------------------------------
+
+def conditioning(config: BenchConfig, seed: int) -> list:
+    cond = torch.randn((1, config.text_tokens, config.joint_dim), generator=torch.Generator().manual_seed(seed))
+    return [[cond, {"pooled_output": None}]]
+
+
+def reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int | None:
+    match = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()) if Path("/proc/self/status").exists() else None
+    return int(match.group(1)) * 1024 if match else None
+
+
+class StepClock:
+    """KSampler's per-step callback: a device sync and a timestamp after each step; ``at_step``
+    callbacks run after the step they name (0 = the warm-up)."""
+
+    def __init__(self, device: torch.device, at_step: dict[int, Callable[[], None]] | None = None) -> None:
+        self.device, self.at_step = device, at_step or {}
+        self.times = [time.perf_counter()]
+
+    def __call__(self, step: int, *_: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        if step in self.at_step:
+            self.at_step[step]()
+
+    @property
+    def steps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+class CallCounter:
+    """Counts calls of the diffusion model (1 per step when cond and uncond run batched)."""
+
+    def __init__(self, model: Any) -> None:
+        self.calls = 0
+        self._hook = model.model.diffusion_model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
+def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
+               at_step: dict[int, Callable[[], None]] | None = None) -> Row:
+    """Sample 1 + ``config.steps`` steps with ``model`` at the row's cap and fill the row."""
+    import comfy.model_management as mm
+    import comfy.sample
+
+    steps = 1 + config.steps
+    at_step = dict(at_step or {})
+    first = at_step.get(0)
+
+    def after_warmup() -> None:
+        engine = offload_engine(model)  # built at the first load
+        if engine is not None:
+            engine.reset_stats()
+        counter.calls = 0
+        if first is not None:
+            first()
+
+    at_step[0] = after_warmup
+    counter = CallCounter(model)
+    try:
+        balloon.set_cap(row.cap_bytes)
+        reset_peak_rss()
+        latent = torch.zeros((1, 16, config.height // 8, config.width // 8))
+        latent = comfy.sample.fix_empty_latent_channels(model, latent)
+        noise = comfy.sample.prepare_noise(latent, 0)
+        clock = StepClock(config.device, at_step)
+        with torch.inference_mode():
+            comfy.sample.sample(model, noise, steps, 4.0, "euler", "simple", conditioning(config, 1),
+                                conditioning(config, 2), latent, denoise=1.0, callback=clock, disable_pbar=True, seed=0)
+        row.first_step_s, row.step_s = clock.steps[0], clock.steps[1:]
+        row.calls_per_step = counter.calls / config.steps
+        row.peak_rss_bytes = peak_rss_bytes()
+        row.comfy_pinned_bytes = getattr(mm, "TOTAL_PINNED_MEMORY", None)
+        _read_loaded(row, model, offload_engine(model), config.steps)
     except torch.cuda.OutOfMemoryError as error:
-        result.skipped = f"out of memory: {str(error).splitlines()[0]}"
-    if meter is not None and result.step_s:
-        _read_ledger(result, meter.stats(), len(result.step_s))
-    log.info("%s: %s", result.label, result.skipped or f"{result.seconds:.3f} s/step")
-    return result
+        row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
+    finally:
+        counter.remove()
+    log.info("%s %s, cap %s: %s", row.system, row.mode, _cap(row.cap_bytes),
+             row.skipped or f"{row.seconds:.3f} s/step (first {row.first_step_s:.1f} s)")
+    emit("row", asdict(row))
+    return row
 
 
-def _read_ledger(result: ModeResult, stats: dict[str, Any], steps: int) -> None:
-    result.streamed_bytes = stats["bytes_h2d"] / steps
-    result.d2h_bytes = stats["bytes_d2h"] / steps
-    result.copies = stats["copies_h2d"] / steps
-    result.hook_us_per_group = stats["hook_us_per_group"]
-    result.compute_wait_ms = stats["compute_wait_ms"] / steps
-    result.resident_groups = stats.get("resident_groups")
+def offload_engine(model: Any) -> Any:
+    """This pack's engine on the model's blocks, or ``None`` for a model without offloading."""
+    current = getattr(model, "current_engine", None)
+    return current() if current is not None else None
 
+
+def _read_loaded(row: Row, model: Any, engine: Any, steps: int) -> None:
+    """Streamed bytes per step: the ledger's for this pack; for ComfyUI's rows, the weights it left
+    off the card times the model calls (what its lowvram casts copy per call: an estimate)."""
+    if engine is not None:
+        stats = engine.stats()
+        row.streamed_bytes = stats["bytes_h2d"] / steps
+        row.d2h_bytes = stats["bytes_d2h"] / steps
+        row.copies = stats["copies_h2d"] / steps
+        row.compute_wait_ms = stats["compute_wait_ms"] / steps
+        row.resident_groups = stats["resident_groups"]
+        row.pinned_bytes = stats["pinned_bytes"]
+        return
+    off_card = max(0, model.model_size() - model.loaded_size())
+    row.streamed_bytes = off_card * (row.calls_per_step or 1)
+    row.d2h_bytes = 0.0
+    if off_card:
+        row.note = (row.note + " " if row.note else "") + "streamed bytes estimated: weights off the card × calls"
+
+
+def _cap(cap: int | None) -> str:
+    return "whole card" if cap is None else f"{cap / GIB:.0f} GiB" if cap >= GIB else f"{cap / 2**20:.0f} MiB"
+
+
+# --------------------------------------------------------------------------------------------
+# Bandwidth and the profiled step
+# --------------------------------------------------------------------------------------------
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
-    """GB/s: pinned and pageable host-to-device, pinned device-to-host and into fresh pageable memory.
-
-    On a CPU these are host copies (into existing memory, and into fresh memory for the last).
-    """
-    pin = device.type == "cuda"
-    pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """GB/s: pinned and pageable host-to-device, and device-to-host into fresh pageable memory."""
+    pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     pageable = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
@@ -306,158 +459,222 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
             seconds.append(time.perf_counter() - start)
         return nbytes / min(seconds) / 1e9
 
-    return {
-        "h2d_pinned_gbps": best(lambda: target.copy_(pinned, non_blocking=True)),
-        "h2d_pageable_gbps": best(lambda: target.copy_(pageable)),
-        "d2h_pinned_gbps": best(lambda: pinned.copy_(target, non_blocking=True)),
-        "d2h_fresh_pageable_gbps": best(lambda: target.to("cpu", copy=True)),
-    }
+    return {"h2d_pinned_gbps": best(lambda: target.copy_(pinned, non_blocking=True)),
+            "h2d_pageable_gbps": best(lambda: target.copy_(pageable)),
+            "d2h_fresh_pageable_gbps": best(lambda: target.to("cpu", copy=True))}
 
 
-@contextlib.contextmanager
-def on_device(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
-    """Copy every tensor of ``modules`` to ``device`` and point back at the host tensors afterwards."""
-    saved = [(p, p.data) for m in modules for p in m.parameters()]
-    for param, host in saved:
-        param.data = host.to(device, copy=True)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepProfile:
+    """A ``torch.profiler`` trace of one sampling step (between two step callbacks)."""
+
+    def __init__(self, config: BenchConfig, out: Path) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config.device.type == "cuda" else [])
+        self.profiler = profile(activities=activities)
+        self.out = out
+
+    def start(self) -> None:
+        self.profiler.start()
+
+    def stop(self) -> None:
+        self.profiler.stop()
+
+    def write(self) -> dict[str, Any]:
+        """The gzipped chrome trace, and how much copies and kernels overlapped in it."""
+        raw = self.out / "trace.json"
+        self.profiler.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text()).get("traceEvents", [])
+        with raw.open("rb") as source, gzip.open(self.out / "step_trace.json.gz", "wb") as target:
+            target.write(source.read())
+        raw.unlink()
+        return {"trace": "step_trace.json.gz", **overlap_figures(events)}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """From a chrome trace: the step's GPU span, and the shares of it with copies, kernels and both."""
+    copies = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and "dur" in e])
+    kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e])
+    if not kernels:
+        return {"gpu_events": False}
+    span = max(kernels[-1][1], copies[-1][1] if copies else 0) - min(kernels[0][0], copies[0][0] if copies else 1e30)
+    both = _intersection(copies, kernels)
+    copy_time = _length(copies)
+    return {"gpu_events": True, "span_ms": span / 1e3, "copy_ms": copy_time / 1e3, "kernel_ms": _length(kernels) / 1e3,
+            "overlap_of_step": both / span, "copy_hidden": both / copy_time if copy_time else None,
+            "gpu_idle_of_step": 1 - _length(_union(copies + kernels)) / span}
+
+
+# --------------------------------------------------------------------------------------------
+# The families
+# --------------------------------------------------------------------------------------------
+
+PROFILED_MODE = "stream_all p1"  # at the smallest cap
+
+
+def offload_node(plain: Any, settings: dict[str, Any]) -> Any:
+    """This pack's node on ``plain``, as a user wires it."""
+    from comfy_env import run_node
+
+    return run_node("GroupOffload", model=plain, blocks_per_group=1, resident_gb=0.0, **settings).outputs[0]
+
+
+def _offload_rows(family: str, plain: Any, config: BenchConfig, balloon: Balloon, dtype: str,
+                  caps: tuple[int, ...], rows: tuple[tuple[str, dict[str, Any]], ...], out: Path | None) -> None:
+    """This pack's node on ``plain`` at each cap; with ``out``, one step of ``PROFILED_MODE`` at the smallest
+    cap is traced."""
+    for cap in caps:
+        for mode, settings in rows:
+            profile = StepProfile(config, out) if out is not None and (cap, mode) == (caps[-1], PROFILED_MODE) else None
+            at_step = {} if profile is None else {0: profile.start, 1: profile.stop}
+            row = sample_row(Row(family, "this pack", mode, dtype, cap), offload_node(plain, settings), config,
+                             balloon, at_step)
+            if profile is not None and not row.skipped:
+                emit("trace", {"mode": mode, "cap_bytes": cap, **profile.write()})
+
+
+def pageable_row(family: str, plain: Any, config: BenchConfig, balloon: Balloon, cap: int) -> None:
+    """``stream_all`` prefetch 1 with every pin refused (``--disable-pinned-memory``, or Windows past its
+    limit): what a mirror in pageable memory costs."""
+    import comfy.model_management as mm
+
+    offloaded = offload_node(plain, {"residency": "stream_all", "prefetch": 1})
+    engine = offload_engine(offloaded)
+    if engine is not None:
+        engine.unpin()
+    limit, mm.MAX_PINNED_MEMORY = mm.MAX_PINNED_MEMORY, 0
     try:
-        yield
+        sample_row(Row(family, "this pack", "stream_all p1, pins refused", "bf16", cap), offloaded, config, balloon)
     finally:
-        for param, host in saved:
-            param.data = host
+        mm.MAX_PINNED_MEMORY = limit
 
 
-# --------------------------------------------------------------------------------------------
-# Family "pack": resident, this pack, copy-back
-# --------------------------------------------------------------------------------------------
-
-class BlockInputs:
-    """The arguments of the first call of one block, kept to time that block alone."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.args: tuple | None = None
-        self.kwargs: dict | None = None
-        self._hook = block.register_forward_pre_hook(self._keep, with_kwargs=True)
-
-    def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs = args, kwargs
-        self._hook.remove()
-
-
-def _activation_reserve(result: ModeResult, before: int, slab_bytes: int) -> int:
-    """Reserve for activations from a streamed run: 1.25 × its peak beyond weights and slabs, + 1 GiB."""
-    if result.peak_device_bytes is None:
-        return 0
-    return int(1.25 * max(0, result.peak_device_bytes - before - slab_bytes)) + GIB
-
-
-def _pack_modes(model: nn.Module, blocks: list[nn.Module], step: Callable[[], Any], config: BenchConfig,
-                fill: RandomWeights) -> tuple[list[ModeResult], int]:
-    """prefetch 0 at each cap, then prefetch 1 stream_all and auto at each cap; returns the reserve."""
-    device, results = config.device, []
-    handle = apply_group_offload(model, blocks, device, prefetch=0, fill=fill)
-    weights_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    caps = device_caps(config)
+def _comfy_rows(family: str, system: str, model: Any, config: BenchConfig, balloon: Balloon, dtype: str,
+                caps: tuple[int | None, ...]) -> None:
     for cap in caps:
-        results.append(run_mode(ModeResult("pack", "p0", f"pack, stream_all, prefetch 0, cap {_cap(cap)}", cap,
-                                           "pinned_sync"), step, config, handle))
-    reserve = _activation_reserve(results[0], weights_before, handle.stats()["slab_bytes"])
-    handle.remove()
-    del handle
-    gc.collect()
-    handle = apply_group_offload(model, blocks, device, prefetch=1)
-    other = module_bytes(model) - sum(g.nbytes for g in handle.groups)
-    for cap in caps:
-        handle.set_resident_bytes(0)
-        results.append(run_mode(ModeResult("pack", "p1", f"pack, stream_all, prefetch 1, cap {_cap(cap)}", cap,
-                                           "pinned_prefetch"), step, config, handle))
-        slabs = handle.device_bytes_needed()
-        handle.set_resident_bytes(max(0, cap - reserve - other - slabs))
-        results.append(run_mode(ModeResult("pack", "auto", f"pack, auto-like residency, prefetch 1, cap {_cap(cap)}",
-                                           cap, "pinned_prefetch"), step, config, handle))
-    handle.remove()
-    return results, reserve
+        sample_row(Row(family, system, "resident" if cap is None else "its own", dtype, cap), model, config, balloon)
 
 
-def _block_compute_s(block: nn.Module, inputs: BlockInputs, config: BenchConfig) -> float:
-    """One block's forward time with its weights on the device (median)."""
-    with on_device([block], config.device):
-        seconds = time_steps(lambda: block(*inputs.args, **inputs.kwargs), config.device, 1, config.probe_repeats)
-    return statistics.median(seconds)
-
-
-def _resident_mode(model: nn.Module, blocks: list[nn.Module], step: Callable[[], Any], config: BenchConfig,
-                   reserve: int) -> ModeResult:
-    result = ModeResult("pack", "resident", "all resident (no offload), uncapped", None, "resident")
+def shipped_family(config: BenchConfig, out: Path) -> None:
+    """Newest ComfyUI as main.py starts it: its own rows and this pack's node, bf16."""
+    patcher = start_comfyui(config, dynamic=True)
+    emit("fact", {"patcher": patcher, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")})
     device = config.device
-    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < module_bytes(model) + reserve:
-        result.skipped = "the whole model does not fit on this GPU"
-        return result
-    with on_device(blocks, device):
-        return run_mode(result, step, config)
+    emit("fact", {"bandwidth": measure_bandwidth(device, GIB if device.type == "cuda" else 16 * 2**20)})
+    balloon = Balloon(device)
+    plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
+    emit("fact", {"model_bytes": plain.model_size()})
+    system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
+    _comfy_rows("shipped", system, plain, config, balloon, "bf16", config.caps_bytes)
+    sample_row(Row("shipped", "all resident", "resident", "bf16", None), plain, config, balloon)
+    _offload_rows("shipped", plain, config, balloon, "bf16", config.caps_bytes, OFFLOAD_ROWS, out)
+    pageable_row("shipped", plain, config, balloon, min(config.caps_bytes))
 
 
-def pack_family(config: BenchConfig) -> dict[str, Any]:
-    device = config.device
-    bandwidth = measure_bandwidth(device, GIB if device.type == "cuda" else 16 * 2**20)
-    log.info("bandwidth: %s", {k: round(v, 2) for k, v in bandwidth.items()})
-    import_comfy(config)
-    model = build_comfy_model(config)
-    blocks = list(model.transformer_blocks)
+def legacy_family(config: BenchConfig, out: Path) -> None:
+    """ComfyUI with --disable-dynamic-vram: its legacy partial load (pinned, async offload streams)."""
+    start_comfyui(config, dynamic=False)
+    model = load_comfy_model(config, torch.bfloat16, dynamic_patcher=False)
+    _comfy_rows("legacy", "ComfyUI legacy", model, config, Balloon(config.device), "bf16", config.caps_bytes)
+
+
+def fp8_family(config: BenchConfig, out: Path) -> None:
+    """An fp8 (e4m3fn) checkpoint, newest ComfyUI as shipped against this pack."""
+    patcher = start_comfyui(config, dynamic=True)
+    balloon = Balloon(config.device)
+    plain = load_comfy_model(config, torch.float8_e4m3fn, dynamic_patcher=True)
+    system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
+    _comfy_rows("fp8", system, plain, config, balloon, "fp8", config.fp8_caps_bytes)
+    sample_row(Row("fp8", "all resident", "resident", "fp8", None), plain, config, balloon)
+    _offload_rows("fp8", plain, config, balloon, "fp8", config.fp8_caps_bytes, OFFLOAD_ROWS[:2], None)
+
+
+# --- baselines: bare forwards outside ComfyUI's sampler ----------------------------------------
+
+def bare_forward(model: nn.Module, config: BenchConfig) -> Callable[[], Any]:
+    """One ComfyUI-style model call: batch 2 (cond + uncond), 5-D latent, bf16."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 16, 1, config.height // 8, config.width // 8), generator=generator).to(config.device, torch.bfloat16)
+    context = torch.randn(2, config.text_tokens, config.joint_dim, generator=generator).to(config.device, torch.bfloat16)
+    timestep = torch.full((2,), 0.5, device=config.device)
+    return lambda: model(x, timestep, context, transformer_options={})
+
+
+def time_bare(row: Row, step: Callable[[], Any], config: BenchConfig, balloon: Balloon, meter: Any = None) -> Row:
+    """One timed call, without a warm-up: a baseline call takes tens of seconds, mostly copies."""
+    try:
+        balloon.set_cap(row.cap_bytes)
+        reset_peak_rss()
+        with torch.inference_mode():
+            started = time.perf_counter()
+            step()
+            synchronize(config.device)
+            row.step_s = [time.perf_counter() - started]
+        row.calls_per_step, row.peak_rss_bytes = 1.0, peak_rss_bytes()
+        if meter is not None:
+            stats = meter.stats()
+            row.streamed_bytes, row.d2h_bytes, row.copies = stats["bytes_h2d"], stats["bytes_d2h"], stats["copies_h2d"]
+    except torch.cuda.OutOfMemoryError as error:
+        row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
+    log.info("%s %s: %s", row.system, row.mode, row.skipped or f"{row.seconds:.3f} s/step")
+    emit("row", asdict(row))
+    return row
+
+
+def copy_back_row(config: BenchConfig, balloon: Balloon, cap: int) -> None:
+    import comfy.ops
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+    from comfy_env import qwen_rope_axes
+
+    model = QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
+                                        num_attention_heads=config.heads, joint_attention_dim=config.joint_dim,
+                                        axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=torch.bfloat16,
+                                        device="meta", operations=comfy.ops.disable_weight_init)
+    model = model.to_empty(device="cpu").eval().requires_grad_(False)
     fill = RandomWeights(config.pool_numel)
-    fill_tensors(model, fill, skip={id(t) for b in blocks for t in (*b.parameters(), *b.buffers())})
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        fill(name, tensor.data)
     for name, module in model.named_children():
         if name != "transformer_blocks":
-            module.to(device)
-    step = comfy_forward(model, config)
-    block_inputs = BlockInputs(blocks[0])
-    results, reserve = _pack_modes(model, blocks, step, config, fill)
-    block_s = _block_compute_s(blocks[0], block_inputs, config)
-    results.append(_resident_mode(model, blocks, step, config, reserve))
-    cap = min(device_caps(config))
-    baseline = CopyBackOffload(blocks, device)
-    results.append(run_mode(ModeResult("pack", "copy_back", f"copy-back baseline, cap {_cap(cap)}", cap, "copy_back"),
-                            step, config, baseline, slow=True))
+            module.to(config.device)
+    baseline = CopyBackOffload(list(model.transformer_blocks), config.device)
+    time_bare(Row("baselines", "copy-back", "copy-back (diffusers before the fix)", "bf16", cap),
+              bare_forward(model, config), config, balloon, baseline)
     baseline.remove()
-    return {"bandwidth": bandwidth, "activation_reserve": reserve, "block_compute_s": block_s,
-            "model_bytes": module_bytes(model), "results": [asdict(r) for r in results]}
 
 
-# --------------------------------------------------------------------------------------------
-# Family "comfy": ComfyUI core partial loading
-# --------------------------------------------------------------------------------------------
-
-def comfy_family(config: BenchConfig) -> dict[str, Any]:
-    """ModelPatcher lowvram at each cap, smallest first, growing with ``partially_load`` as ComfyUI does."""
-    import_comfy(config)
-    from comfy.model_patcher import ModelPatcher
-
-    device = config.device
-    model = build_comfy_model(config)
-    fill_tensors(model, RandomWeights(config.pool_numel))
-    patcher = ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
-    step = comfy_forward(model, config)
-    reserve = config.activation_reserve or 0
-    total, results, budget_loaded = module_bytes(model), [], 0
-    for cap in sorted(device_caps(config)):
-        budget = max(1, cap - reserve)
-        if budget_loaded == 0:
-            patcher.patch_model(device_to=device, lowvram_model_memory=budget)
-        else:
-            patcher.partially_load(device, extra_memory=budget - budget_loaded)
-        budget_loaded = budget
-        result = ModeResult("comfy", "partial", f"ComfyUI partial load (lowvram, pinned, async), cap {_cap(cap)}",
-                            cap, "comfy_async")
-        result.streamed_bytes = float(total - model.model_loaded_weight_memory)
-        results.append(run_mode(result, step, config))
-    return {"results": [asdict(r) for r in results]}
-
-
-# --------------------------------------------------------------------------------------------
-# Family "diffusers": its own group offloading
-# --------------------------------------------------------------------------------------------
-
-def build_diffusers_model(config: BenchConfig, fill: RandomWeights) -> nn.Module:
+def build_diffusers_model(config: BenchConfig) -> nn.Module:
     from comfy_env import qwen_rope_axes
     from diffusers import QwenImageTransformer2DModel
 
@@ -467,19 +684,23 @@ def build_diffusers_model(config: BenchConfig, fill: RandomWeights) -> nn.Module
         model = QwenImageTransformer2DModel(**dims)
     # Its RoPE frequency tables are plain attributes, not buffers: build that module for real.
     model.pos_embed = type(model.pos_embed)(theta=10000, axes_dim=list(dims["axes_dims_rope"]), scale_rope=True)
-    model = model.to(DTYPE).to_empty(device="cpu").eval().requires_grad_(False)
-    fill_tensors(model, fill)
+    model = model.to(torch.bfloat16).to_empty(device="cpu").eval().requires_grad_(False)
+    fill = RandomWeights(config.pool_numel)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        fill(name, tensor.data)
     return model
 
 
 def diffusers_forward(model: nn.Module, config: BenchConfig) -> Callable[[], Any]:
-    """The same call as :func:`comfy_forward` in diffusers' terms (packed latents, img_shapes)."""
+    """The same call as :func:`bare_forward` in diffusers' terms (packed latents, img_shapes)."""
     generator = torch.Generator().manual_seed(0)
     grid = (config.height // 16, config.width // 16)
-    latents = torch.randn(2, grid[0] * grid[1], 64, generator=generator).to(config.device, DTYPE)
-    context = torch.randn(2, config.text_tokens, config.joint_dim, generator=generator).to(config.device, DTYPE)
-    kwargs = dict(hidden_states=latents, encoder_hidden_states=context, timestep=torch.full((2,), 0.5, device=config.device, dtype=DTYPE),
-                  encoder_hidden_states_mask=torch.ones(2, config.text_tokens, dtype=torch.long, device=config.device),
+    device = config.device
+    latents = torch.randn(2, grid[0] * grid[1], 64, generator=generator).to(device, torch.bfloat16)
+    context = torch.randn(2, config.text_tokens, config.joint_dim, generator=generator).to(device, torch.bfloat16)
+    kwargs = dict(hidden_states=latents, encoder_hidden_states=context,
+                  timestep=torch.full((2,), 0.5, device=device, dtype=torch.bfloat16),
+                  encoder_hidden_states_mask=torch.ones(2, config.text_tokens, dtype=torch.long, device=device),
                   img_shapes=[[(1, *grid)]] * 2, return_dict=False)
     if "txt_seq_lens" in inspect.signature(model.forward).parameters:
         kwargs["txt_seq_lens"] = [config.text_tokens] * 2
@@ -495,116 +716,156 @@ def _diffusers_missing() -> str | None:
     return None if is_accelerate_available() else "diffusers' group offloading needs accelerate, which is not importable"
 
 
-def diffusers_family(config: BenchConfig) -> dict[str, Any]:
-    cap = min(device_caps(config))
-    modes = [(False, "pageable_sync"), (True, "pinned_prefetch")]
-    results = [ModeResult("diffusers", f"use_stream={use_stream}",
-                          f"diffusers group offload, use_stream={use_stream}, cap {_cap(cap)}", cap, transfer)
-               for use_stream, transfer in modes]
-    missing = _diffusers_missing()
-    if missing:
-        for result in results:
-            result.skipped = missing
-        return {"results": [asdict(r) for r in results]}
-    fill = RandomWeights(config.pool_numel)
-    for (use_stream, _), result in zip(modes, results):
-        if use_stream and config.device.type != "cuda":
-            result.skipped = "use_stream needs CUDA streams"
+def diffusers_rows(config: BenchConfig, balloon: Balloon, cap: int) -> None:
+    for use_stream in (False, True):
+        row = Row("baselines", "diffusers", f"group offload, use_stream={use_stream}", "bf16", cap)
+        row.skipped = _diffusers_missing() or (None if config.device.type == "cuda" or not use_stream
+                                               else "use_stream needs CUDA streams")
+        if row.skipped:
+            emit("row", asdict(row))
             continue
-        model = build_diffusers_model(config, fill)
+        model = build_diffusers_model(config)
+        row.streamed_bytes = float(sum(t.nbytes for t in (*model.parameters(), *model.buffers())))
+        row.d2h_bytes = 0.0 if use_stream else row.streamed_bytes
         model.enable_group_offload(onload_device=config.device, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
-        result.streamed_bytes = float(module_bytes(model))
-        result.d2h_bytes = 0.0 if use_stream else result.streamed_bytes
-        run_mode(result, diffusers_forward(model, config), config, slow=not use_stream)
+        time_bare(row, diffusers_forward(model, config), config, balloon)
         del model
         gc.collect()
-        if config.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"results": [asdict(r) for r in results]}
 
 
-WORKERS: dict[str, Callable[[BenchConfig], dict[str, Any]]] = {
-    "pack": pack_family, "comfy": comfy_family, "diffusers": diffusers_family}
+def baselines_family(config: BenchConfig, out: Path) -> None:
+    start_comfyui(config, dynamic=False)
+    balloon, cap = Balloon(config.device), min(config.caps_bytes)
+    copy_back_row(config, balloon, cap)
+    gc.collect()
+    diffusers_rows(config, balloon, cap)
+
+
+WORKERS: dict[str, Callable[[BenchConfig, Path], None]] = {
+    "shipped": shipped_family, "legacy": legacy_family, "fp8": fp8_family, "baselines": baselines_family}
 
 
 # --------------------------------------------------------------------------------------------
 # Parent: run the families, derive the figures, write the results
 # --------------------------------------------------------------------------------------------
 
-def _cap(cap: int | None) -> str:
-    return "none" if cap is None else f"{cap / GIB:.1f} GiB" if cap >= GIB else f"{cap / 2**20:.1f} MiB (virtual)"
+def run_family(family: str, config: BenchConfig, timeout: float, out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The family's RESULT lines as they come; a timeout or a crash keeps the rows already reported."""
+    command = [sys.executable, __file__, "--worker", family, "--config", json.dumps(asdict(config)), "--out", str(out)]
+    log.info("family %s (at most %.0f s)", family, timeout)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout] + [lines.put(None)], daemon=True).start()
+    found: dict[str, Any] = {"rows": [], "facts": {}, "traces": []}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            process.kill()
+            found["error"] = f"stopped after {timeout:.0f} s (rows reported before that are kept)"
+            break
+        if line is None:
+            break
+        if line.startswith(RESULT_PREFIX):
+            _collect(found, json.loads(line[len(RESULT_PREFIX):]))
+            print(line, end="", flush=True)
+    code = process.wait()
+    if code != 0 and "error" not in found:
+        found["error"] = f"exit {code} (rows reported before that are kept; the worker's log is above)"
+    return found
 
 
-def run_family(family: str, config: BenchConfig, timeout: float) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--worker", family, "--config", json.dumps(asdict(config))]
-    log.info("family %s (timeout %.0f s)", family, timeout)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        log.error("family %s failed (exit %d):\n%s", family, done.returncode, done.stderr[-4000:])
-        return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"}
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+def _collect(found: dict[str, Any], message: dict[str, Any]) -> None:
+    kind = message.pop("kind")
+    if kind == "row":
+        found["rows"].append(message)
+    elif kind == "trace":
+        found["traces"].append(message)
+    else:
+        found["facts"].update(message)
 
 
-def _compute_seconds(pack: dict[str, Any], config: BenchConfig) -> tuple[float | None, str]:
-    resident = next((r for r in pack.get("results", []) if r["mode"] == "resident" and r["step_s"]), None)
-    if resident is not None:
-        return statistics.median(resident["step_s"]), "resident run"
-    if "block_compute_s" in pack:
-        return pack["block_compute_s"] * config.blocks, f"{config.blocks} × one resident block"
-    return None, "not measured"
-
-
-def derive(rows: list[dict[str, Any]], bandwidth: dict[str, float], compute_s: float | None) -> list[dict[str, Any]]:
-    """Ratio to resident, GB/s, step ÷ bound, and the cost model's estimate, per measured mode."""
-    resident = next((r for r in rows if r["mode"] == "resident" and r["step_s"]), None)
-    resident_s = statistics.median(resident["step_s"]) if resident else None
+def derive(rows: list[dict[str, Any]], bandwidth: dict[str, float]) -> list[dict[str, Any]]:
+    """× all resident, GB/s and its share of the pinned peak, step ÷ max(compute, bytes ÷ bandwidth)."""
+    resident = {r["dtype"]: statistics.median(r["step_s"]) for r in rows if r["system"] == "all resident" and r["step_s"]}
     pinned = bandwidth.get("h2d_pinned_gbps")
     out = []
     for row in rows:
         seconds = statistics.median(row["step_s"]) if row["step_s"] else None
-        derived = {"seconds": seconds, "ratio_to_resident": None, "achieved_gbps": None, "vs_bound": None, "model_s": None}
+        compute = resident.get(row["dtype"])
+        streamed = row["streamed_bytes"] or 0.0
+        derived: dict[str, Any] = {"seconds": seconds, "ratio_to_resident": None, "achieved_gbps": None,
+                                   "share_of_pinned_peak": None, "vs_bound": None}
         if seconds is not None:
-            streamed = row["streamed_bytes"]
-            derived["ratio_to_resident"] = seconds / resident_s if resident_s else None
-            derived["achieved_gbps"] = streamed / seconds / 1e9 if streamed else None
-            if compute_s is not None and pinned:
-                derived["vs_bound"] = seconds / max(compute_s, streamed / (pinned * 1e9))
-                derived["model_s"] = _model_seconds(row, bandwidth, compute_s)
+            derived["ratio_to_resident"] = seconds / compute if compute else None
+            if streamed:
+                derived["achieved_gbps"] = streamed / seconds / 1e9
+                derived["share_of_pinned_peak"] = derived["achieved_gbps"] / pinned if pinned else None
+            if compute and pinned:
+                derived["vs_bound"] = seconds / max(compute, streamed / (pinned * 1e9))
         out.append({**row, **derived})
     return out
 
 
-def _model_seconds(row: dict[str, Any], bandwidth: dict[str, float], compute_s: float) -> float:
-    """``offload_core.cost_model.pass_seconds`` with the measured compute time and bandwidths."""
-    pageable = row["transfer"] in ("copy_back", "pageable_sync")
-    h2d = bandwidth["h2d_pageable_gbps" if pageable else "h2d_pinned_gbps"]
-    overlap = row["transfer"] in ("pinned_prefetch", "comfy_async")
-    return pass_seconds(compute_s, row["streamed_bytes"], h2d, row["d2h_bytes"],
-                        bandwidth["d2h_fresh_pageable_gbps"], overlap=overlap)
+def _gb(value: float | None) -> str:
+    return fmt(None if value is None else value / 1e9, 2)
 
 
-def results_markdown(rows: list[dict[str, Any]], bandwidth: dict[str, float], compute: tuple[float | None, str],
-                     header: str, smoke: bool) -> str:
-    bw = ", ".join(f"{k.removesuffix('_gbps').replace('_', ' ')} {v:.2f}" for k, v in bandwidth.items())
-    unit, scale = ("MB", 1e6) if smoke else ("GB", 1e9)
-    headers = ["mode", "s/step", "× resident", f"streamed {unit}/step", "achieved GB/s", "step ÷ max(compute, bytes ÷ bw)",
-               "cost model s/step", "copies/step", "hook µs/group", "GPU wait ms/step", "resident groups",
-               "peak GiB allocated", "note"]
-    table = [[r["label"], fmt(r["seconds"], 3), fmt(r["ratio_to_resident"]), fmt(r["streamed_bytes"] / scale),
-              fmt(r["achieved_gbps"], 1), fmt(r["vs_bound"]), fmt(r["model_s"], 3), fmt(r["copies"], 0),
-              fmt(r["hook_us_per_group"], 0), fmt(r["compute_wait_ms"], 1),
-              "—" if r["resident_groups"] is None else str(r["resident_groups"]),
-              fmt(None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / GIB, 1),
-              r["skipped"] or ""] for r in rows]
-    seconds, source = compute
-    return (f"{header}\n\nBandwidth (GB/s): {bw}. Compute time per step: {fmt(seconds, 3)} s ({source}).\n\n"
-            + markdown_table(headers, table))
+def results_markdown(rows: list[dict[str, Any]], facts: dict[str, Any], traces: list[dict[str, Any]],
+                     header: str) -> str:
+    bandwidth = facts.get("bandwidth", {})
+    bw = ", ".join(f"{k.removesuffix('_gbps').replace('_', ' ')} {v:.1f}" for k, v in bandwidth.items())
+    headers = ["system", "mode", "dtype", "cap", "s/step", "× all resident", "first step s (load)", "streamed GB/step",
+               "GB/s", "of pinned peak", "step ÷ max(compute, bytes ÷ bw)", "GPU wait ms/step", "copies/step",
+               "D2H GB/step", "model calls/step", "resident groups", "pinned GB (pack / ComfyUI)", "peak RSS GB", "note"]
+    table = [[r["system"], r["mode"], r["dtype"], _cap(r["cap_bytes"]), fmt(r["seconds"], 3), fmt(r["ratio_to_resident"]),
+              fmt(r["first_step_s"], 1), _gb(r["streamed_bytes"]), fmt(r["achieved_gbps"], 1),
+              fmt(None if r["share_of_pinned_peak"] is None else 100 * r["share_of_pinned_peak"], 0) + "%"
+              if r["share_of_pinned_peak"] is not None else "—",
+              fmt(r["vs_bound"]), fmt(r["compute_wait_ms"], 1), fmt(r["copies"], 0), _gb(r["d2h_bytes"]),
+              fmt(r["calls_per_step"], 1), "—" if r["resident_groups"] is None else str(r["resident_groups"]),
+              f"{_gb(r['pinned_bytes'])} / {_gb(r['comfy_pinned_bytes'])}", _gb(r["peak_rss_bytes"]),
+              r["skipped"] or r["note"]] for r in rows]
+    lines = [header, "", f"Bandwidth (GB/s, 1 GiB copies): {bw or 'not measured'}.",
+             f"ComfyUI started with: {facts.get('patcher', '?')}; allocator {facts.get('allocator') or 'default'}."]
+    for trace in traces:
+        if trace.get("gpu_events"):
+            lines.append(f"Profiled step ({trace['mode']}, cap {_cap(trace['cap_bytes'])}, `{trace['trace']}`): "
+                         f"GPU span {trace['span_ms']:.0f} ms, kernels {trace['kernel_ms']:.0f} ms, "
+                         f"host-to-device copies {trace['copy_ms']:.0f} ms; copies and kernels overlapped during "
+                         f"{100 * trace['overlap_of_step']:.0f} % of the step ({fmt(trace['copy_hidden'] and 100 * trace['copy_hidden'], 0)} % "
+                         f"of the copy time hidden); GPU idle {100 * trace['gpu_idle_of_step']:.0f} % of the step.")
+        else:
+            lines.append(f"Profiled step ({trace['mode']}): `{trace['trace']}` (no GPU events on a CPU).")
+    return "\n".join(lines) + "\n\n" + markdown_table(headers, table)
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
+    """A PNG bar chart of s/step per system at each cap (Pillow); False when Pillow is missing."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        return False
+    bars = [(f"{r['dtype']} {_cap(r['cap_bytes'])}  {r['system']}, {r['mode']}", r["seconds"]) for r in rows if r["seconds"]]
+    if not bars:
+        return False
+    longest = max(s for _, s in bars)
+    label_w, bar_w, line_h = 430, 520, 22
+    image = Image.new("RGB", (label_w + bar_w + 90, line_h * len(bars) + 40), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 8), "seconds per sampling step (shorter is better)", fill="black")
+    colours = {"this pack": (46, 125, 50), "all resident": (120, 120, 120)}
+    for i, (label, seconds) in enumerate(bars):
+        y = 30 + i * line_h
+        system = label.split("  ", 1)[1].split(",")[0]
+        draw.text((10, y + 4), label[:70], fill="black")
+        width = max(1, int(bar_w * seconds / longest))
+        draw.rectangle((label_w, y + 3, label_w + width, y + line_h - 3), fill=colours.get(system, (198, 40, 40)))
+        draw.text((label_w + width + 6, y + 4), f"{seconds:.3f}", fill="black")
+    image.save(path)
+    return True
 
 
 def environment(config: BenchConfig) -> str:
@@ -612,59 +873,59 @@ def environment(config: BenchConfig) -> str:
         props = torch.cuda.get_device_properties(config.device)
         gpu = f"{props.name}, {props.total_memory / GIB:.0f} GiB, CUDA {torch.version.cuda}"
     else:
-        gpu = "no GPU: --smoke on the CPU (caps are virtual, bandwidths are host copies)"
-    width = config.heads * config.head_dim
-    return (f"{gpu}; torch {torch.__version__}, Python {platform.python_version()}; "
-            f"{config.blocks} blocks × width {width}, {config.width}×{config.height}, {config.text_tokens} text tokens, "
-            f"batch 2 (cond + uncond in one pass), {config.steps} timed steps after {config.warmup} warm-up "
-            f"({config.slow_steps} for the synchronous baselines); {time.strftime('%Y-%m-%d %H:%M')}")
+        gpu = "no GPU: --smoke on the CPU (caps are labels, bandwidths are host copies)"
+    return (f"{gpu}; torch {torch.__version__}, Python {platform.python_version()}; Qwen-Image {config.blocks} blocks × "
+            f"width {config.heads * config.head_dim}, {config.width}×{config.height}, {config.text_tokens} text tokens, "
+            f"euler cfg 4, {config.steps} timed steps after 1 warm-up step; {time.strftime('%Y-%m-%d %H:%M')}")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the same code paths, quickly")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: every row, quickly")
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of " + ", ".join(FAMILIES))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / ".artifacts" / "gpu"))
-    parser.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget for all families (s)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget for all families (s)")
     parser.add_argument("--worker", choices=FAMILIES, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
 
     if args.worker:
         raw = json.loads(args.config)
-        config = BenchConfig(**{**raw, "caps_bytes": tuple(raw["caps_bytes"])})
-        print(RESULT_PREFIX + json.dumps(WORKERS[args.worker](config)), flush=True)
+        config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        WORKERS[args.worker](config, args.out)
         return 0
 
     config = smoke_config() if args.smoke else BenchConfig()
     if not args.smoke and not torch.cuda.is_available():
         log.error("no CUDA device: this benchmark needs one (use --smoke to check its code paths on the CPU)")
         return 2
+    comfy_env = {} if args.smoke else comfy_allocator_env()
     started, families = time.monotonic(), {}
     for family in args.families.split(","):
         left = args.budget_s - (time.monotonic() - started)
-        if left < 30:
-            families[family] = {"error": "skipped: the time budget is spent"}
+        if left < 20:
+            families[family] = {"rows": [], "facts": {}, "traces": [], "error": "skipped: the time budget is spent"}
             continue
-        families[family] = run_family(family, config, left)
-        if family == "pack" and "activation_reserve" in families[family]:
-            config = dataclasses.replace(config, activation_reserve=families[family]["activation_reserve"])
+        share = left if args.smoke else min(left, FAMILY_SHARE[family] * args.budget_s)
+        env = {} if family == "baselines" else comfy_env
+        families[family] = run_family(family, config, share, args.out, env)
     return write_results(config, families, time.monotonic() - started, args.out)
 
 
 def write_results(config: BenchConfig, families: dict[str, dict[str, Any]], seconds: float, out: Path) -> int:
-    pack = families.get("pack", {})
-    bandwidth = pack.get("bandwidth", {})
-    compute = _compute_seconds(pack, config)
-    rows = derive([r for f in families.values() for r in f.get("results", [])], bandwidth, compute[0])
+    facts = {k: v for f in families.values() for k, v in f["facts"].items()}
+    rows = derive([r for f in families.values() for r in f["rows"]], facts.get("bandwidth", {}))
+    traces = [t for f in families.values() for t in f["traces"]]
     errors = {name: f["error"] for name, f in families.items() if "error" in f}
     header = f"{environment(config)}; {seconds:.0f} s in all." + "".join(
         f"\n\nFamily {name}: {error}" for name, error in errors.items())
-    markdown = results_markdown(rows, bandwidth, compute, header, config.smoke)
-    out.mkdir(parents=True, exist_ok=True)
+    markdown = results_markdown(rows, facts, traces, header)
+    chart = write_chart(rows, out / "gpu_results.png")
     (out / "gpu_results.json").write_text(json.dumps(
-        {"config": asdict(config), "families": families, "rows": rows, "seconds": seconds}, indent=1))
+        {"config": asdict(config), "facts": facts, "families": families, "rows": rows, "traces": traces,
+         "seconds": seconds, "chart": chart}, indent=1))
     (out / "gpu_results.md").write_text(markdown + "\n")
     print(markdown)
     return 1 if errors else 0
