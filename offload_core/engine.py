@@ -440,7 +440,7 @@ class GroupOffloadHandle:
         if self._runtime is None:
             log.info("pin_memory ignored: the onload device %s is not a CUDA device", self.config.onload_device)
             return None
-        return CudaHostRegister()
+        return CudaHostRegister(self.config.onload_device)
 
     def _pin(self, group: ModuleGroup) -> bool:
         drain = None if self._runtime is None else self._copy_stream.synchronize

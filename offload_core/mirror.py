@@ -6,6 +6,7 @@ host-to-device copy per group, whatever mix of dtypes it holds.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -53,16 +54,27 @@ class Pinner(Protocol):
     def unpin(self, buffer: torch.Tensor) -> None: ...
 
 
+#: ``cudaHostRegisterPortable``: page-locked for every CUDA context, as torch and ComfyUI register.
+HOST_REGISTER_PORTABLE = 1
+
+
 class CudaHostRegister:
-    """Pins existing host memory with ``cudaHostRegister``.
+    """Pins existing host memory with ``cudaHostRegister``, portable, from the onload device's context.
 
     torch's own pinned allocator rounds every block up to a power of two (a 680 MB group would pin
     1 GiB); registering the buffer we already have pins exactly its size and copies nothing.
     """
 
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = torch.device(device) if cuda else None  # (a CPU "device" in the tests has no context)
+
     def pin(self, buffer: torch.Tensor) -> bool:
         nbytes = buffer.numel() * buffer.element_size()
-        return nbytes > 0 and torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0) == 0
+        if nbytes == 0:
+            return False
+        with torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext():
+            return torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, HOST_REGISTER_PORTABLE) == 0
 
     def unpin(self, buffer: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

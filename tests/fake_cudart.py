@@ -28,8 +28,10 @@ class FakeCudart:
     driver_limit: int | None = None  # registrations past this many bytes fail, as a locked-memory limit makes them
     registered: dict[int, int] = field(default_factory=dict)  # address -> size
     calls: list[tuple[str, int, int]] = field(default_factory=list)  # ("register" | "unregister", address, size)
+    register_flags: set[int] = field(default_factory=set)  # every flags argument cudaHostRegister was given
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (the runtime's name)
+        self.register_flags.add(flags)
         if any(ptr < start + length and start < ptr + size for start, length in self.registered.items()):
             return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
         if self.driver_limit is not None and self.registered_bytes + size > self.driver_limit:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from offload_core import CudaHostRegister, apply_group_offload
+from offload_core.mirror import HOST_REGISTER_PORTABLE
 from offload_core.runtime import CudaRuntime
 from stream_checker import StreamChecker
 from test_core_engine import make_pair
@@ -40,6 +41,7 @@ def test_every_setting_is_ordered(checker, blocks_per_group, prefetch, resident_
         for _ in range(2):
             assert torch.equal(offloaded(x), expected)
     assert checker.reuses > 0, "freed device memory was handed out again"
+    assert checker.cudart.register_flags == {HOST_REGISTER_PORTABLE}, "pinned for every context, as torch and ComfyUI pin"
     handle.remove()
     assert checker.cudart.registered == {}, "every mirror unpinned"
 
