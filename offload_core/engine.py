@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .group import FillFn, ModuleGroup
+from .group import FillFn, ModuleGroup, check_unshared
 from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
 from .residency import device_footprint, plan_residency, planned_slabs
@@ -494,6 +494,7 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
+    check_unshared(model, [blocks[i : i + blocks_per_group] for i in range(0, len(blocks), blocks_per_group)])
     return GroupOffloadHandle(model, blocks, config, fill, pinner, progress, runtime)
 
 

@@ -122,6 +122,34 @@ def check_offloadable(blocks: list[nn.Module]) -> None:
             require_packable(tensor, name)
 
 
+def check_unshared(model: nn.Module, chunks: list[list[nn.Module]]) -> None:
+    """Raise ``ValueError`` for a tensor that two groups, or a group and the rest of ``model``, hold.
+
+    Each group streams its own copy of its tensors: a shared one would be read from another group's
+    slab while that slab is being refilled, or from a host mirror by a kernel on the device.
+    """
+    qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
+    owner: dict[int, tuple[int, str]] = {}
+    for index, chunk in enumerate(chunks):
+        for module in (m for block in chunk for m in block.modules()):
+            for name, tensor in _own_tensors(module):
+                first = owner.setdefault(id(tensor), (index, qualnames[id(module)] + name))
+                if first[0] != index:
+                    raise ValueError(f"{qualnames[id(module)] + name} is the same tensor as {first[1]} in another "
+                                     f"group: a tensor shared between groups cannot be streamed (raise blocks_per_group "
+                                     f"so that both blocks form one group, or untie it)")
+    inside = {id(m) for chunk in chunks for block in chunk for m in block.modules()}
+    for module in (m for m in model.modules() if id(m) not in inside):
+        for name, tensor in _own_tensors(module):
+            if id(tensor) in owner:
+                raise ValueError(f"{owner[id(tensor)][1]} is also held outside the offloaded blocks, as "
+                                 f"{qualnames[id(module)] + name}: a tensor the rest of the model uses cannot be streamed")
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t) for table in (module._parameters, module._buffers) for name, t in table.items() if t is not None]
+
+
 def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> list[tuple[str, torch.Tensor, bool, list]]:
     """The group's tensors, each once, as (qualname, tensor, is a Parameter, buffer slots): a tied
     parameter (one Parameter object) stays one entry."""

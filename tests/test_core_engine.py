@@ -264,6 +264,21 @@ def test_bad_blocks():
         apply_group_offload(offloaded, offloaded.blocks[2:], "cpu")
 
 
+def test_a_tensor_shared_across_groups_is_refused_by_name():
+    _, offloaded, _ = make_pair("cpu")
+    offloaded.blocks[3].attn.weight = offloaded.blocks[1].attn.weight  # tied across two blocks
+    with pytest.raises(ValueError, match=r"blocks\.3\.attn\.weight is the same tensor as blocks\.1\.attn\.weight"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=4)  # one group holds both: fine
+
+
+def test_a_block_tensor_the_rest_of_the_model_holds_is_refused_by_name():
+    _, offloaded, _ = make_pair("cpu")
+    offloaded.shared_scale = offloaded.blocks[0].attn.weight
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.weight is also held outside the offloaded blocks, as shared_scale"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+
+
 def test_reapplying_adopts_the_packed_mirrors_without_copying():
     reference, offloaded, x = make_pair("cpu")
     first = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2)
