@@ -36,8 +36,9 @@ from torch import nn
 import comfy.float
 import comfy.lora
 import comfy.model_management as mm
+import comfy.model_patcher
 import comfy.utils
-from comfy.model_patcher import ModelPatcher, get_key_weight, string_to_seed
+from comfy.model_patcher import ModelPatcher, get_key_weight
 from comfy.weight_adapter import WeightAdapterBase
 
 from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, apply_group_offload, check_offloadable,
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 # Newest ComfyUI computes LoRA in a per-device dtype (fp16 where it is fast); 0.3.75 in float32.
 _lora_dtype: Callable[[torch.device], torch.dtype] = getattr(mm, "lora_compute_dtype", lambda device: torch.float32)
+# The seed of a patched weight's stochastic rounding, from its key. Newest ComfyUI moved it to comfy.utils
+# and logs a warning from the old name at every call; 0.3.75 has only the old name.
+_string_to_seed: Callable[[str], int] = (getattr(comfy.utils, "string_to_seed", None)
+                                         or comfy.model_patcher.string_to_seed)
 # Computing a patched weight holds about this many temporaries of the weight's size in the LoRA dtype.
 _PATCH_TEMPORARIES = 3
 _cpu_notice_given = False
@@ -325,9 +330,10 @@ class BlockPatches:
         if convert_func is not None:  # a quantized weight: dequantized
             temp = convert_func(temp, inplace=True)
         out = comfy.lora.calculate_weight(self._patches[key], temp, key)
+        seed = _string_to_seed(key)
         if set_func is not None:  # its layer's own way back (a quantized weight: quantized again)
-            return set_func(out, inplace_update=False, seed=string_to_seed(key), return_weight=True)
-        return comfy.float.stochastic_rounding(out, weight.dtype, seed=string_to_seed(key))
+            return set_func(out, inplace_update=False, seed=seed, return_weight=True)
+        return comfy.float.stochastic_rounding(out, weight.dtype, seed=seed)
 
 
 _GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[torch.utils.hooks.RemovableHandle]]" = weakref.WeakKeyDictionary()

@@ -24,6 +24,7 @@ from comfy_env import (
     tiny_wan_vae_file,
     use_models_in_process,
 )
+from deprecations import pack_deprecations
 from fake_cudart import FakeCudart, install as install_fake_cudart
 from stream_checker import StreamChecker
 
@@ -73,6 +74,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.failed and isinstance(server, ComfyServer):
         report.sections.append(("ComfyUI server log (tail)", server.log_tail(8000)))
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Fail a test during which the pack made ComfyUI log a "has moved" / "deprecated" warning: any
+    deprecation ComfyUI raises because of the pack is a defect (issue 26). In-process ComfyUI only."""
+    with pack_deprecations() as messages:
+        result = yield
+    if messages:
+        pytest.fail(f"ComfyUI logged {len(messages)} deprecation warning(s) because of the pack, "
+                    f"the first: {messages[0]!r}", pytrace=False)
+    return result
 
 
 @pytest.fixture(scope="session")

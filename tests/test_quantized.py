@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from comfy_env import comfyui_version, run_node, run_txt2img, tiny_qwen_image_file
+from deprecations import pack_deprecations
 from lora_fixture import make_lora
 from pack_modules import pack_module
 from quantized_files import QUANT_FORMATS, cpu_skip_reason, quantized_qwen_file
@@ -135,6 +136,18 @@ def test_lora_on_quantized_layers_gives_comfyuis_latent(files, fmt, order):
     mirrors = [g.mirror.buffer.clone() for g in engine(model).groups]
     run_txt2img(model, seed=3)
     assert all(torch.equal(g.mirror.buffer, m) for g, m in zip(engine(model).groups, mirrors)), "mirrors pristine"
+
+
+@pytest.mark.parametrize("order", ["lora_then_offload", "offload_then_lora"])
+def test_a_lora_on_quantized_layers_makes_comfyui_log_no_deprecation(files, order):
+    """Issue 26: the pack seeds each patched weight's rounding through ComfyUI's string_to_seed, at its
+    new place where ComfyUI has one (newest logs a warning from the old one at every call). Old scaled-fp8
+    files run through the node on both versions."""
+    expected = run_txt2img(with_lora(load_plain("scaled_fp8")), seed=3).latent
+    model = LORA_ORDERS[order]("scaled_fp8")
+    with pack_deprecations() as messages:
+        assert torch.equal(run_txt2img(model, seed=3).latent, expected)
+    assert messages == []
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "scaled_fp8"])
