@@ -3,11 +3,15 @@
 Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
 7B Qwen text encoder. With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
-the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``.
+the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``; with
+``GROUP_OFFLOAD_HOLD_WORKER_GC=1`` a ``POST /free`` after the first prompt is certain to land where
+ComfyUI's queue misses it (see ``hold_the_workers_first_collection``).
 """
 import gc
+import linecache
 import os
 import sys
+import time
 from pathlib import Path
 
 _TESTS_DIR = str(Path(__file__).resolve().parent.parent)
@@ -31,6 +35,45 @@ if os.environ.get("GROUP_OFFLOAD_FAKE_CUDART") == "1":
     async def _pins(request):
         return web.json_response({"registered_bytes": _fake_cudart.registered_bytes,
                                   "total_pinned": comfy.model_management.TOTAL_PINNED_MEMORY})
+
+
+HOLD_LIMIT_S = 60.0  # a test that never posts /free does not stop the server for good
+
+
+def hold_the_workers_first_collection() -> None:
+    """The prompt worker's first garbage collection of its own (after the first prompt, once it has read
+    the /free flags) waits until a ``POST /free`` has set new ones.
+
+    ComfyUI's worker reads the flags after each prompt, collects garbage, then waits for its queue; that
+    wait does not look at the flags, so flags set in between wake nothing (issue 24). A POST /free that
+    arrives during that collection (a few hundred milliseconds) is rare, but happens on a loaded host:
+    this makes it certain.
+    """
+    from server import PromptServer
+
+    held = False
+
+    def hold(phase: str, info: dict) -> None:
+        nonlocal held
+        if held or phase != "start" or not _called_gc_collect(sys._getframe(1), "prompt_worker"):
+            return
+        held = True
+        queue, deadline = PromptServer.instance.prompt_queue, time.monotonic() + HOLD_LIMIT_S
+        while not queue.get_flags(reset=False) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    gc.callbacks.append(hold)
+
+
+def _called_gc_collect(frame, function: str) -> bool:
+    """Whether ``frame`` (what ran when a collection began) is ``function`` calling ``gc.collect()``,
+    not an allocation of it that started an automatic collection."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return frame.f_code.co_name == function and line == "gc.collect()"
+
+
+if os.environ.get("GROUP_OFFLOAD_HOLD_WORKER_GC") == "1":
+    hold_the_workers_first_collection()
 
 
 class GroupOffloadTestConditioning:
