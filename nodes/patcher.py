@@ -258,7 +258,7 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def _release_engine_memory(self) -> int:
         handle = self.current_engine()
-        if handle is None or not any(g.onloaded for g in handle.groups):
+        if handle is None or not handle.holds_device_memory():
             return 0
         held = handle.device_bytes_needed()
         handle.set_onload_patch(None)  # gives the device memory back, the patch's own too; load() sets it again

@@ -208,6 +208,10 @@ class GroupOffloadHandle:
                 group.park()
         self._active.clear()
 
+    def holds_device_memory(self) -> bool:
+        """Whether a group or a streaming buffer is on the device (with prefetch 0 a free buffer stays between runs)."""
+        return self._slabs_made > 0 or any(g.onloaded for g in self.groups)
+
     def release_device_memory(self) -> None:
         """Offload every group, resident ones too, and free the slabs; mirrors stay as they are."""
         self._finish_copies()
