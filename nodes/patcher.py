@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import sys
 import uuid
@@ -66,8 +67,9 @@ class ComfyPinner:
 
     ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
     mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
-    Past the limit, the offloaded models ComfyUI has unloaded give their pins up first, as any
-    unloaded model's would be gone.
+    ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: newest ComfyUI's ``pin_memory`` registers
+    past it once it has evicted what it can of its own. Past the limit, other offloaded models give
+    their pins up first (see ``_make_pin_room``); what still does not fit stays in pageable memory.
     """
 
     def __init__(self, owner: nn.Module) -> None:
@@ -79,10 +81,8 @@ class ComfyPinner:
         return mm.MAX_PINNED_MEMORY > 0
 
     def pin(self, buffer: torch.Tensor) -> bool:
-        as_parameter = nn.Parameter(buffer, requires_grad=False)
-        if mm.pin_memory(as_parameter):
-            return True
-        return _unpin_unloaded_models(keep=self._owner()) > 0 and bool(mm.pin_memory(as_parameter))
+        return _make_pin_room(buffer.nbytes, keep=self._owner()) and bool(
+            mm.pin_memory(nn.Parameter(buffer, requires_grad=False)))
 
     def unpin(self, buffer: torch.Tensor) -> None:
         mm.unpin_memory(buffer)
@@ -226,7 +226,9 @@ class GroupOffloadPatcher(ModelPatcher):
     def pre_run(self):
         super().pre_run()
         handle = self.current_engine()
+        _LAST_RUN[self.model.diffusion_model] = next(_runs_started)
         if handle is not None:
+            handle.pin_streamed()  # takes back, from the models run longer ago, pins given up while this one waited
             start_run(self.model.diffusion_model, handle, self.offload_settings.node_id,
                       cpu_only=torch.device(self.load_device).type == "cpu")
 
@@ -378,15 +380,36 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
                                 diffusion_model.register_forward_hook(check_blocks_ran, always_call=True)]
 
 
-def _unpin_unloaded_models(keep: nn.Module | None) -> int:
-    """Unpin the engines of offloaded models that ComfyUI has unloaded (all but ``keep``); returns the bytes."""
+# Diffusion model -> when its engine last started a sampling run (a counter): the least recent gives its pins up first.
+_LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_runs_started = itertools.count(1)
+
+
+def _make_pin_room(nbytes: int, keep: nn.Module | None) -> bool:
+    """Whether ``nbytes`` more fit ComfyUI's pinned-memory limit, once ComfyUI has evicted what it evicts
+    of its own (newest) and other offloaded models gave up pins: those ComfyUI has unloaded first, then
+    the least recently run, never ``keep``."""
+    ensure_registerable = getattr(mm, "ensure_pin_registerable", None)
+    if ensure_registerable is not None:
+        ensure_registerable(nbytes)
+    for handle in _engines_giving_pins_first(keep):
+        if _pin_shortfall(nbytes) <= 0:
+            break
+        handle.unpin(at_least=_pin_shortfall(nbytes))
+    return _pin_shortfall(nbytes) <= 0
+
+
+def _pin_shortfall(nbytes: int) -> int:
+    """Bytes past ComfyUI's limit if ``nbytes`` more were pinned (ComfyUI's own count: every pin, not only ours)."""
+    return mm.TOTAL_PINNED_MEMORY + nbytes - mm.MAX_PINNED_MEMORY
+
+
+def _engines_giving_pins_first(keep: nn.Module | None) -> list[GroupOffloadHandle]:
     loaded = {id(getattr(m.model.model, "diffusion_model", None)) for m in mm.current_loaded_models if m.model is not None}
-    freed = 0
-    for diffusion_model in list(_GUARDS):  # every diffusion model with an engine
-        handle = handle_of(find_blocks(diffusion_model)[0])
-        if handle is not None and diffusion_model is not keep and id(diffusion_model) not in loaded:
-            freed += handle.unpin()
-    return freed
+    others = [m for m in list(_GUARDS) if m is not keep]  # every other diffusion model with an engine
+    others.sort(key=lambda m: (id(m) in loaded, _LAST_RUN.get(m, 0)))
+    handles = [handle_of(find_blocks(m)[0]) for m in others]
+    return [h for h in handles if h is not None]
 
 
 # Base model -> how many GroupOffloadPatchers (the node's clone and every clone of it) can drive its engine.

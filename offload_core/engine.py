@@ -163,12 +163,17 @@ class GroupOffloadHandle:
                      refused / 2**20)
         return refused
 
-    def unpin(self) -> int:
-        """Return every mirror's page-locked memory (the mirrors stay valid); returns the bytes unpinned."""
-        pinned = [g for g in self.groups if g.mirror.pinned]
-        for group in pinned:
-            group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
-        return sum(g.nbytes for g in pinned)
+    def unpin(self, at_least: int | None = None) -> int:
+        """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
+        ``at_least`` bytes of it; returns the bytes unpinned."""
+        freed = 0
+        for group in reversed(self.groups):
+            if at_least is not None and freed >= at_least:
+                break
+            if group.mirror.pinned:
+                group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
+                freed += group.nbytes
+        return freed
 
     def device_bytes_needed(self) -> int:
         """Device memory the offloaded blocks hold while sampling: resident groups plus slabs
