@@ -1,20 +1,25 @@
 """Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
+from .backoff import OutOfMemoryAfterBackOff, call_backing_off
 from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
 from .group import check_offloadable
 from .mirror import CudaHostRegister, Pinner
-from .residency import device_footprint, plan_residency
+from .residency import Residency, device_footprint, format_bytes, plan_residency
 from .subclass import UnpackableTensorError, flatten, packed_nbytes
 
 __all__ = [
     "CudaHostRegister",
     "GroupOffloadHandle",
     "OffloadConfig",
+    "OutOfMemoryAfterBackOff",
     "Pinner",
+    "Residency",
     "UnpackableTensorError",
     "apply_group_offload",
+    "call_backing_off",
     "check_offloadable",
     "device_footprint",
     "flatten",
+    "format_bytes",
     "handle_of",
     "packed_nbytes",
     "plan_residency",

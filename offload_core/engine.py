@@ -27,6 +27,7 @@ proves it on every test run):
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -39,7 +40,7 @@ from torch import nn
 from .group import FillFn, ModuleGroup, check_unshared
 from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
-from .residency import device_footprint, plan_residency, planned_slabs
+from .residency import Residency, backed_off_plan, device_footprint, plan_residency, planned_slabs
 from .runtime import CudaRuntime, Runtime
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class GroupOffloadHandle:
         resident = [g for g in self.groups if g.resident]
         return {
             **self.ledger.as_dict(),
+            "prefetch": self.prefetch,
             "groups": len(self.groups),
             "resident_groups": len(resident),
             "resident_bytes": sum(g.nbytes for g in resident),
@@ -133,7 +135,8 @@ class GroupOffloadHandle:
         self.ledger = TransferLedger()
 
     def set_resident_bytes(self, budget: int) -> None:
-        """Re-plan which groups stay on the device; takes effect from the next forward.
+        """Re-plan which groups stay on the device, with the configured prefetch; takes effect from the
+        next forward.
 
         The streamed groups' mirrors get pinned (as many as the pinner allows: see
         ``stats()["pinned_bytes"]``); a resident group's mirror is read again only after its device
@@ -142,10 +145,56 @@ class GroupOffloadHandle:
         if budget < 0:
             raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {budget!r}")
         self.release_device_memory()
-        for group, resident in zip(self.groups, plan_residency([g.nbytes for g in self.groups], budget)):
-            group.resident = resident
-        streamed = [g.nbytes for g in self.groups if not g.resident]
-        self._slab_bytes = max(streamed, default=0)
+        self.prefetch = self.config.prefetch  # the depth in effect: ``back_off`` may lower it
+        self.backed_off = False
+        self._use_plan(plan_residency([g.nbytes for g in self.groups], budget))
+
+    def back_off(self) -> bool:
+        """After a call ran out of device memory: fall back to the next plan that holds less
+        (``residency.backed_off_plan``); it holds until the next ``set_resident_bytes``.
+
+        Once the copies in flight are done, the streaming buffers and the groups that no longer stay
+        resident leave the device; the groups that stay keep their device copy. An order learnt from
+        a first forward that failed part-way is forgotten. Returns False when no plan holds less
+        (every group streams with prefetch 1 or 0): nothing changes then.
+        """
+        fallback = backed_off_plan([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.prefetch)
+        if fallback is None:
+            return False
+        resident, self.prefetch = fallback
+        self._finish_copies()
+        for group, stays in zip(self.groups, resident):
+            if group.resident and stays:
+                continue
+            if group.onloaded:
+                group.offload_()
+            group.drop_device_views()  # the views of slabs it ran from keep those alive
+        self._forget_slabs()
+        if self._lookahead is None:
+            self._trace.clear()
+        self._use_plan(resident)
+        self.backed_off = True
+        self.ledger.back_offs += 1
+        return True
+
+    def empty_device_cache(self) -> None:
+        """Give the device memory that nothing holds any longer back to the driver: after a call
+        that ran out of it, once its tensors are gone (a collection frees those that only reference
+        cycles of its traceback's frames still hold)."""
+        if self._runtime is not None:
+            gc.collect()
+            self._runtime.empty_cache()
+
+    def residency(self) -> Residency:
+        """The plan in effect."""
+        resident = [g for g in self.groups if g.resident]
+        footprint = device_footprint([g.nbytes for g in self.groups], [g.resident for g in self.groups], self.prefetch)
+        return Residency(len(resident), len(self.groups), sum(g.nbytes for g in resident), self.prefetch, footprint)
+
+    def _use_plan(self, resident: list[bool]) -> None:
+        for group, stays in zip(self.groups, resident):
+            group.resident = stays
+        self._slab_bytes = max((g.nbytes for g in self.groups if not g.resident), default=0)
         self._lookahead = None if self._lookahead is None else self._plan_lookahead()
         self.pin_streamed()
 
@@ -180,8 +229,8 @@ class GroupOffloadHandle:
         (including slabs made beyond the plan while more groups ran at once than it has slabs for),
         and what the onload patch holds."""
         resident = [g.resident for g in self.groups]
-        planned = device_footprint([g.nbytes for g in self.groups], resident, self.config.prefetch)
-        extra_slabs = self._slabs_made - planned_slabs(resident.count(False), self.config.prefetch)
+        planned = device_footprint([g.nbytes for g in self.groups], resident, self.prefetch)
+        extra_slabs = self._slabs_made - planned_slabs(resident.count(False), self.prefetch)
         return planned + max(0, extra_slabs) * self._slab_bytes + self._patch_bytes
 
     def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = (), device_bytes: int = 0) -> None:
@@ -347,12 +396,12 @@ class GroupOffloadHandle:
         plan = {}
         for p, group in enumerate(order):
             after = [q for q in streamed_positions if q > p] + [q for q in streamed_positions if q <= p]
-            plan[group.index] = [order[q] for q in after if order[q] is not group][: self.config.prefetch]
+            plan[group.index] = [order[q] for q in after if order[q] is not group][: self.prefetch]
         return plan
 
     def _prefetch(self, group: ModuleGroup) -> bool:
         """Start copying ``group`` ahead of its use, if a slab is free; never evicts."""
-        if not self._free_slabs and self._slabs_made >= self.config.prefetch + 1:
+        if not self._free_slabs and self._slabs_made >= self.prefetch + 1:
             return False
         self._onload(group, prefetched=True)
         return True
@@ -418,16 +467,16 @@ class GroupOffloadHandle:
     def _take_slab(self) -> torch.Tensor:
         if self._free_slabs:
             return self._free_slabs.pop()
-        if self._slabs_made < self.config.prefetch + 1:
-            self._slabs_made += 1
-            return self._allocate(self._slab_bytes)
-        # Out of order: a prefetched group that has not run yet gives its slab up.
-        waiting = [g for g in self.groups if g.onloaded and not g.resident and g.index not in self._active]
-        if waiting:
-            self._offload(waiting[0])
-            return self._free_slabs.pop()
-        self._slabs_made += 1  # more groups running at once than slabs: re-entrant blocks
-        return self._allocate(self._slab_bytes)
+        if self._slabs_made >= self.prefetch + 1:
+            # Out of order: a prefetched group that has not run yet gives its slab up.
+            waiting = [g for g in self.groups if g.onloaded and not g.resident and g.index not in self._active]
+            if waiting:
+                self._offload(waiting[0])
+                return self._free_slabs.pop()
+        # (or more groups running at once than slabs: re-entrant blocks)
+        slab = self._allocate(self._slab_bytes)
+        self._slabs_made += 1  # counted once made: an allocation may run out of memory
+        return slab
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         """Fresh device memory for the copy stream to fill, of the parameters' kind (see ``ModuleGroup``)."""

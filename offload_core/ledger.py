@@ -26,6 +26,7 @@ class TransferLedger:
     prefetches: int = 0
     hook_seconds: float = 0.0  # host time spent inside the hooks
     hook_calls: int = 0  # group entries (each streamed or resident group run counts once)
+    back_offs: int = 0  # plans given up for one that holds less, after a call ran out of device memory
     _wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
     _wait_ms: float = 0.0
 

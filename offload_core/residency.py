@@ -1,6 +1,8 @@
 """Which groups stay on the device: as many bytes as the budget holds, streamed ones spread out."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 #: Resident sums closer than ``PRECISION × budget ÷ groups`` are not told apart (keeps the search small).
 PRECISION = 0.01
 #: Share of the budget the plan may leave unused to spread the streamed groups more evenly.
@@ -75,3 +77,44 @@ def device_footprint(group_bytes: list[int], resident: list[bool], prefetch: int
     streamed = [b for b, r in zip(group_bytes, resident) if not r]
     slabs = planned_slabs(len(streamed), prefetch)
     return sum(b for b, r in zip(group_bytes, resident) if r) + slabs * max(streamed, default=0)
+
+
+def backed_off_plan(group_bytes: list[int], resident: list[bool], prefetch: int) -> tuple[list[bool], int] | None:
+    """The plan to fall back to after a call ran out of device memory, as (resident, prefetch); None when
+    no plan holds less than this one.
+
+    Resident groups go first, until the blocks hold at most half the device memory they held (the
+    planner picks the groups that stay, so the streamed ones stay spread out), every group streaming
+    when none fits in that half; once every group streams, prefetch drops to 1. Halving reaches the
+    bottom in a few tries however many groups are resident. A plan is taken only if it holds less:
+    streaming a small group alone needs one buffer of its size, streaming all needs ``prefetch + 1``
+    of the largest.
+    """
+    held = device_footprint(group_bytes, resident, prefetch)
+    every_group_streamed = [False] * len(group_bytes)
+    buffers = device_footprint(group_bytes, every_group_streamed, prefetch)
+    fewer = plan_residency(group_bytes, max(0, held // 2 - buffers))
+    for plan, depth in ((fewer, prefetch), (every_group_streamed, min(prefetch, 1))):
+        if device_footprint(group_bytes, plan, depth) < held:
+            return plan, depth
+    return None
+
+
+@dataclass(frozen=True)
+class Residency:
+    """One plan in effect: how many groups stay on the device, the prefetch depth, and the device bytes
+    the blocks hold under it (resident groups and streaming buffers)."""
+
+    resident_groups: int
+    groups: int
+    resident_bytes: int
+    prefetch: int
+    device_bytes: int
+
+    def __str__(self) -> str:
+        return (f"{self.resident_groups} of {self.groups} groups resident, prefetch {self.prefetch} "
+                f"({format_bytes(self.device_bytes)} on the device)")
+
+
+def format_bytes(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

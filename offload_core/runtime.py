@@ -27,6 +27,8 @@ class Runtime(Protocol):
 
     def empty(self, nbytes: int) -> torch.Tensor: ...
 
+    def empty_cache(self) -> None: ...
+
     def discard_last_error(self) -> None: ...
 
 
@@ -50,6 +52,11 @@ class CudaRuntime:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def empty_cache(self) -> None:
+        """Hand the caching allocator's unused memory back to the driver (after an out-of-memory)."""
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def discard_last_error(self) -> None:
         """Read and drop the runtime's last error (a refused ``cudaHostRegister`` leaves one).

@@ -17,7 +17,10 @@ Accesses to memory it tracks (its device allocations, host buffers registered th
 The allocator models CUDA's caching allocator: memory belongs to the pool of the stream that was
 current when it was allocated; once its tensors are gone it goes back to that pool, and the next
 allocation on that stream gets the same memory back, with its history of accesses — so writing it
-from another stream must first be ordered after the kernels that used it last.
+from another stream must first be ordered after the kernels that used it last. ``empty_cache`` checks
+that nothing of another stream may still touch pooled memory, which any kernel of its own stream may
+have been handed since it was freed. ``out_of_memory_at`` makes chosen allocations fail as a full
+device fails them.
 """
 from __future__ import annotations
 
@@ -159,7 +162,10 @@ class StreamChecker(TorchDispatchMode):
         self.last_error: str | None = None
         self.cudart = CheckedCudart(self)
         self.allocations = 0
+        self.allocation_attempts = 0
+        self.out_of_memory_at: set[int] = set()  # allocation attempts (0, 1, ...) that raise torch.OutOfMemoryError
         self.reuses = 0
+        self.released = 0  # pooled blocks ``empty_cache`` gave back to the driver
         self._regions: list[_Region] = []  # sorted by ``lo``
         self._live: list[tuple[_Block, StorageWeakRef]] = []
         self._pools: list[_Block] = []
@@ -187,6 +193,10 @@ class StreamChecker(TorchDispatchMode):
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """Device memory from the current stream's pool: freed memory of that stream first."""
+        attempt, self.allocation_attempts = self.allocation_attempts, self.allocation_attempts + 1
+        if attempt in self.out_of_memory_at:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes "
+                                         f"(allocation attempt {attempt}, refused by the stream checker)")
         self._return_freed_blocks()
         stream = self.current.name
         fitting = [b for b in self._pools if b.owner == stream and len(b.memory) >= nbytes]
@@ -203,6 +213,18 @@ class StreamChecker(TorchDispatchMode):
         tensor = torch.frombuffer(block.memory, dtype=torch.uint8)[:nbytes]
         self._live.append((block, StorageWeakRef(tensor.untyped_storage())))
         return tensor
+
+    def empty_cache(self) -> None:
+        """Pooled memory goes back to the driver. Since it was freed, any kernel of the stream whose
+        pool holds it may have been handed it: every access to it from another stream must be
+        ordered before that stream now (the copies into a freed buffer drained first)."""
+        self._return_freed_blocks()
+        for block in self._pools:
+            region = block.region
+            self._access(block.owner, region.lo, region.hi, True, f"a kernel handed {region.name} once freed")
+            self._untrack(region.lo)
+        self.released += len(self._pools)
+        self._pools.clear()
 
     def discard_last_error(self) -> None:
         self.last_error = None

@@ -166,3 +166,31 @@ def test_untracked_memory_is_not_checked(checker):
         activation.add_(1)
     assert activation.sum().item() == 128  # host tensors the checker does not track
     assert checker.races == []
+
+
+@pytest.mark.parametrize("drained", [False, True])
+def test_emptying_the_cache_while_a_copy_may_still_write_freed_memory(checker, drained):
+    side = checker.new_stream()
+    buffer = checker.empty(64)
+    side.wait_stream(checker.current_stream())
+    with checker.use_stream(side):
+        buffer.copy_(torch.ones(64, dtype=torch.uint8), non_blocking=True)
+    if drained:
+        checker.current_stream().wait_stream(side)
+    del buffer
+    if drained:
+        checker.empty_cache()
+        assert checker.released == 1
+    else:
+        with pytest.raises(RaceError, match=r"a kernel handed device block 0 once freed writes .* on stream compute, "
+                                            r"not ordered after aten\.copy_"):
+            checker.empty_cache()
+
+
+def test_chosen_allocations_run_out_of_memory(checker):
+    checker.out_of_memory_at = {1}
+    checker.empty(8)
+    with pytest.raises(torch.OutOfMemoryError, match="allocation attempt 1"):
+        checker.empty(8)
+    checker.empty(8)
+    assert (checker.allocations, checker.allocation_attempts) == (2, 3)
