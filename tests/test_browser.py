@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import tempfile
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, sync_playwright
 
-from comfy_env import ARTIFACTS_DIR, ComfyServer, find_chromium
+from comfy_env import ARTIFACTS_DIR, REPO_ROOT, ComfyServer, find_chromium
 
 pytestmark = pytest.mark.browser
 
@@ -36,9 +37,16 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 PACK_URL = "/extensions/comfyui-group-offload/"
+# The front end asks for a node's help page in the user's language, docs/<node>/<locale>.md, before the
+# fallback docs/<node>.md (web/docs has English as the fallback and Chinese as <node>/zh.md).
+LOCALE_HELP_PAGE = re.compile(re.escape(PACK_URL) + r"docs/[^/]+/[a-zA-Z-]+\.md")
 FRONTEND_VERSION = importlib.metadata.version("comfyui_frontend_package")
 ARTIFACTS = ARTIFACTS_DIR / "browser" / f"frontend-{FRONTEND_VERSION}"  # one folder per ComfyUI version
 SCREENSHOT = ARTIFACTS / "group_offload.png"
+# GROUP_OFFLOAD_WRITE_SCREENSHOTS=1: the pictures of the help pages (web/docs) and the templates' thumbnails
+# (example_workflows) are taken anew from this front end.
+WRITE_SCREENSHOTS = os.environ.get("GROUP_OFFLOAD_WRITE_SCREENSHOTS") == "1"
+DOCS_DIR = REPO_ROOT / "web" / "docs"
 STEPS = 4
 PAGE_TIMEOUT_MS = 120_000
 RUN_TIMEOUT_MS = 240_000
@@ -129,7 +137,8 @@ def _is_environmental(message: ConsoleMessage) -> bool:
 
     1. "Failed to load resource" for a host other than loopback: the machine has no network; the
        frontend and Chromium may still try (the settings above stop the release-notes request).
-    2. "Failed to load resource" 404 for a path of LOOPBACK_404_IGNORED.
+    2. "Failed to load resource" 404 for a path of LOOPBACK_404_IGNORED, or for a help page in a language
+       the pack has none in (LOCALE_HELP_PAGE): the front end then shows the fallback page.
     3. The start-up error of the frontend release in use, from FRONTEND_STARTUP_ERRORS.
     """
     url = message.location.get("url", "")
@@ -137,7 +146,8 @@ def _is_environmental(message: ConsoleMessage) -> bool:
     if text.startswith("Failed to load resource"):
         if not _is_loopback(url):
             return True
-        return "404" in text and urllib.parse.urlsplit(url).path in LOOPBACK_404_IGNORED
+        path = urllib.parse.urlsplit(url).path
+        return "404" in text and (path in LOOPBACK_404_IGNORED or LOCALE_HELP_PAGE.fullmatch(path) is not None)
     known_startup_error = FRONTEND_STARTUP_ERRORS.get(FRONTEND_RELEASE)
     return known_startup_error is not None and known_startup_error(text)
 
@@ -353,6 +363,30 @@ READ_STATE_JS = """
 """
 
 
+NODE_IN_VIEW_JS = """
+async (id) => {
+    const { app } = window.comfyAPI.app;
+    const node = app.graph.getNodeById(id);
+    const title = window.LiteGraph.NODE_TITLE_HEIGHT;
+    const canvas = app.canvas.canvas.getBoundingClientRect();
+    app.canvas.ds.scale = 1;
+    app.canvas.ds.offset = [320 - node.pos[0], 200 + title - node.pos[1]];
+    app.canvas.setDirty(true, true);
+    await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+    return { x: canvas.left + 320, y: canvas.top + 200, width: node.size[0], height: node.size[1] + title };
+}
+"""
+
+
+def screenshot_node(page: Page, node_id: str, path: Path, margin: int = 6) -> None:
+    """A picture of one node (title bar included), moved into the middle-left of the canvas at scale 1, clear
+    of the front end's menus and notices."""
+    box = page.evaluate(NODE_IN_VIEW_JS, node_id)
+    clip = {"x": box["x"] - margin, "y": box["y"] - margin, "width": box["width"] + 2 * margin,
+            "height": box["height"] + 2 * margin}
+    page.screenshot(path=str(path), clip=clip)
+
+
 def _save_artifact(name: str, data: object) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / name).write_text(json.dumps(data, indent=2))
@@ -424,6 +458,9 @@ def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage,
     assert prompt[ids["positive"]]["inputs"] == {"seed": 1, "tokens": 8, "joint_dim": 64}
 
     _check_figures(ids, state, STEPS)
+    if WRITE_SCREENSHOTS:
+        screenshot_node(browser_page.page, ids["offload"], DOCS_DIR / "group_offload_readout.png")
+        screenshot_node(browser_page.page, ids["report"], DOCS_DIR / "group_offload_report.png")
     _finish(browser_page.page, browser_page.console, SCREENSHOT, started)
 
 
@@ -469,15 +506,11 @@ def test_messages_by_node_id_and_node_removal(browser_page: BrowserPage, comfy_s
             return {
                 offloadGot: offload.groupOffloadTelemetry?.steps ?? null,
                 samplerUntouched: sampler.groupOffloadTelemetry === undefined,
-                box: [offload.pos[0], offload.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT, ...offload.size],
             };
         }
     """, {"live": live, "ids": ids})
     assert result["offloadGot"] == 7 and result["samplerUntouched"]
-    x, y, width, height = result["box"]
-    # Graph to screen at scale 1: + offset; the title bar is above pos.
-    clip = {"x": x + 70 - 4, "y": y + 120 - 4, "width": width + 8, "height": height + 8 + 30}
-    page.screenshot(path=str(ARTIFACTS / "group_offload_live.png"), clip=clip)
+    screenshot_node(page, ids["offload"], ARTIFACTS / "group_offload_live.png")
 
     result = page.evaluate("""
         async ({ live, ids }) => {
