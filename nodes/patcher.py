@@ -5,10 +5,11 @@ different answers:
 
 - ``model_size``  the device footprint this model asks for: the weights outside the blocks, plus the
   resident groups and streaming slabs it plans for (``auto`` plans against the device's whole
-  memory, so ComfyUI makes room as for any large model). The streamed bytes stay in host memory,
-  already pinned, so they are not asked for twice;
+  memory less the sampling run's activations, so ComfyUI makes room as for any large model). The
+  streamed bytes stay in host memory, already pinned, so they are not asked for twice;
 - ``load``        ComfyUI loads everything but the blocks its usual way; the blocks get the engine,
-  with as many groups resident as the budget ComfyUI grants and the really free memory allow;
+  with as many groups resident as the budget ComfyUI grants and the really free memory allow, less
+  what the run's activations need (ComfyUI's estimate from the latent's shape, see ``plan_for_run``);
 - ``partially_unload`` / ``unpatch_model``  give the engine's device memory back first;
 - ``detach``      (unload) gives the device memory back and keeps the engine: its packed, pinned host
   mirrors stay, so that loading this model again (two models taking turns) costs only device copies;
@@ -19,6 +20,12 @@ so ComfyUI never moves the blocks onto the device whole. A plain clone of the sa
 bypassed, say) must find plain modules: a guard on the diffusion model takes the engine off when
 such a patcher runs it. When the last GroupOffloadPatcher of a model is garbage-collected, the
 engine, its host mirrors and its pins go with it (see ``_own_engine``).
+
+Two of ComfyUI's wrappers on the patcher keep a sampling run from running out of GPU memory part-way:
+``PREPARE_SAMPLING`` (before ComfyUI loads the model for a run) has ``auto`` plan for that run's
+activations, and ``APPLY_MODEL`` runs a whole diffusion-model call again, with less of the model on
+the GPU, when it runs out (``offload_core.call_backing_off``): a group's forward cannot be resumed
+part-way, and the same call computes the same output. The fallback holds for the rest of the run.
 """
 from __future__ import annotations
 
@@ -38,12 +45,15 @@ import comfy.float
 import comfy.lora
 import comfy.model_management as mm
 import comfy.model_patcher
+import comfy.patcher_extension
+import comfy.sampler_helpers
 import comfy.utils
 from comfy.model_patcher import ModelPatcher, get_key_weight
 from comfy.weight_adapter import WeightAdapterBase
 
-from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, apply_group_offload, check_offloadable,
-                            device_footprint, handle_of, packed_nbytes, plan_residency)
+from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, apply_group_offload, call_backing_off,
+                            check_offloadable, device_footprint, format_bytes, handle_of, packed_nbytes,
+                            plan_residency)
 from .blocks import block_entry_methods, block_list_owners, block_list_paths, find_blocks
 from .memory import OffloadSettings, resident_budget
 from .telemetry import finish_run, post_cfg_step, start_run
@@ -101,8 +111,7 @@ def _warn_if_unpinned(handle: GroupOffloadHandle) -> None:
                 _size(mm.MAX_PINNED_MEMORY), _size(mm.TOTAL_PINNED_MEMORY))
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+_size = format_bytes
 
 
 @contextlib.contextmanager
@@ -154,7 +163,8 @@ class GroupOffloadPatcher(ModelPatcher):
         other_bytes = mm.module_size(self.model) - _module_bytes(blocks)
         patch_bytes = BlockPatches.device_bytes_for(self.model, self._block_patches(), self.load_device)
         group_bytes = self._group_bytes(blocks)
-        wanted = _wanted_resident_bytes(self.offload_settings, self.load_device, other_bytes + patch_bytes, group_bytes)
+        wanted = _wanted_resident_bytes(self.offload_settings, self.load_device, other_bytes + patch_bytes, group_bytes,
+                                        _inference_reserve(self.model))
         return other_bytes + patch_bytes + device_footprint(group_bytes, plan_residency(group_bytes, wanted),
                                                             self.offload_settings.prefetch)
 
@@ -166,7 +176,7 @@ class GroupOffloadPatcher(ModelPatcher):
         handle = self.engine(device_to)
         # The last load's device memory, its patch tensors too, goes back first: the free figure counts it as free.
         handle.set_onload_patch(None)
-        free = mm.get_free_memory(device_to) - mm.minimum_inference_memory()
+        free = mm.get_free_memory(device_to) - _inference_reserve(self.model)
         patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
         slabs = _slab_bytes([g.nbytes for g in handle.groups], handle.config.prefetch)
         handle.set_resident_bytes(resident_budget(self.offload_settings, lowvram_model_memory, full_load,
@@ -233,8 +243,20 @@ class GroupOffloadPatcher(ModelPatcher):
                       cpu_only=torch.device(self.load_device).type == "cpu")
 
     def cleanup(self):
-        finish_run(self.model.diffusion_model)
+        _log_back_offs(finish_run(self.model.diffusion_model))
         super().cleanup()
+
+    def plan_for_run(self, activation_bytes: int) -> None:
+        """Before ComfyUI loads this model for a sampling run: ``auto`` plans for ``activation_bytes``
+        of activations (ComfyUI's estimate for the run). The plan in effect is made again when the run
+        needs other room than the last one (its latent may be smaller) or the last run backed off."""
+        handle = self.current_engine()
+        backed_off = handle is not None and handle.backed_off
+        replan = self.offload_settings.residency == "auto" and _RUN_ACTIVATIONS.get(self.model) != activation_bytes
+        _RUN_ACTIVATIONS[self.model] = activation_bytes
+        if backed_off or replan:
+            self._release_engine_memory()
+            self.model.model_lowvram = True  # so that load_models_gpu calls load(), which plans for this run
 
     # --- the engine ---------------------------------------------------------------------------
 
@@ -339,6 +361,9 @@ class BlockPatches:
 
 
 _GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[torch.utils.hooks.RemovableHandle]]" = weakref.WeakKeyDictionary()
+# Base model -> the engine on its blocks, found even while a wrapper around the one that backs off has
+# swapped the diffusion model or its blocks for compiled ones (TorchCompileModel, per-block compiles).
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]" = weakref.WeakKeyDictionary()
 
 
 def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
@@ -376,6 +401,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             error.add_note(f"{ran} before this error. If it is a device mismatch, the model runs its blocks some "
                            f"other way, which Group Offload cannot stream: connect it to the sampler without it.")
 
+    _ENGINES[base_model] = handle_ref
     _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(check_patcher),
                                 diffusion_model.register_forward_hook(check_blocks_ran, always_call=True)]
 
@@ -445,13 +471,69 @@ def remove_engine(base_model: nn.Module) -> None:
         handle.remove()
     for hook in _GUARDS.pop(base_model.diffusion_model, []):
         hook.remove()
+    _ENGINES.pop(base_model, None)
+
+
+# Base model -> ComfyUI's estimate of the device memory the forwards of its last sampling run hold
+# (from the latent's shape: the memory_required that _prepare_sampling passes to load_models_gpu).
+_RUN_ACTIVATIONS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _inference_reserve(base_model: nn.Module) -> float:
+    """Device memory ``auto`` leaves free: what load_models_gpu keeps free for the sampling run (the
+    run's activations and ComfyUI's extra reserve), never less than its minimum inference reserve."""
+    return max(mm.minimum_inference_memory(), _RUN_ACTIVATIONS.get(base_model, 0) + mm.extra_reserved_memory())
+
+
+def _plan_for_the_run(executor, patcher: GroupOffloadPatcher, noise_shape, conds, *args, **kwargs):
+    """ComfyUI's ``PREPARE_SAMPLING`` wrapper: before ComfyUI loads the model, the patcher learns the
+    activations of this run as ComfyUI estimates them for ``load_models_gpu`` (the same call)."""
+    patcher.plan_for_run(int(comfy.sampler_helpers.estimate_memory(patcher, noise_shape, conds)[0]))
+    return executor(patcher, noise_shape, conds, *args, **kwargs)
+
+
+def _apply_model_backing_off(executor, *args, **kwargs):
+    """ComfyUI's ``APPLY_MODEL`` wrapper: the whole diffusion-model call (only this model's) runs again,
+    with less of the model on the GPU, each time it runs out of GPU memory."""
+    base_model = executor.class_obj
+    handle = _ENGINES[base_model]()  # (``load`` built it before any forward)
+    return call_backing_off(handle, lambda: executor(*args, **kwargs), advice=lambda: _what_would_fit(base_model, handle))
+
+
+def _what_would_fit(base_model: nn.Module, handle: GroupOffloadHandle) -> str:
+    """The end of the error once no fallback is left: what the model holds on the GPU then, and the room
+    this run's activations would need beside it."""
+    other_weights = mm.module_size(base_model) - handle.stats()["host_bytes"]
+    held = handle.residency().device_bytes + other_weights
+    total = mm.get_total_memory(handle.config.onload_device)
+    room = total - held - mm.extra_reserved_memory()
+    activations = _RUN_ACTIVATIONS.get(base_model, 0)
+    if activations > room > 0:
+        fits = (f"so a latent of about {room / activations:.0%} of this one's size would fit: lower the resolution, "
+                f"the frame count or the batch size")
+    else:
+        fits = "which would fit: other models or programs hold the rest of the GPU's memory; unload them"
+    buffer = (f"; with prefetch 0 the model needs one streaming buffer "
+              f"({format_bytes(max(g.nbytes for g in handle.groups))}) less") if handle.prefetch else ""
+    return (f"At the last plan the model held {format_bytes(held)} of the GPU's {format_bytes(total)}; ComfyUI "
+            f"estimates this run's activations at {format_bytes(activations)}, {fits}{buffer}.")
+
+
+def _log_back_offs(run: dict[str, Any] | None) -> None:
+    """One line for a sampling run that ran out of GPU memory and backed off."""
+    if run is None or not run["back_offs"]:
+        return
+    log.warning("Group Offload: the GPU ran out of memory in this sampling run; the model call ran again with less "
+                "of the model on the GPU, %d time(s), down to %d of %d groups resident with prefetch %d. The next run "
+                "plans afresh; should this happen at every run, use residency budget with a smaller resident_gb",
+                run["back_offs"], run["resident_groups"], run["groups"], run["prefetch"])
 
 
 def _wanted_resident_bytes(settings: OffloadSettings, device: torch.device, other_bytes: int,
-                           group_bytes: list[int]) -> int:
+                           group_bytes: list[int], reserve: float) -> int:
     """The resident budget asked for before ComfyUI grants one: ``auto`` plans against the device's
-    whole memory less ComfyUI's inference reserve, as much as the card could hold."""
-    capacity = mm.get_total_memory(torch.device(device)) - mm.minimum_inference_memory()
+    whole memory less ``reserve`` (``_inference_reserve``), as much as the card could hold."""
+    capacity = mm.get_total_memory(torch.device(device)) - reserve
     slabs = _slab_bytes(group_bytes, settings.prefetch)
     return resident_budget(settings, 0, True, other_bytes, slabs, capacity - other_bytes)
 
@@ -488,7 +570,8 @@ def build_engine(model: nn.Module, blocks: list[nn.Module], device: torch.device
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
-        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes),  # so it pins what will stream
+        resident_bytes=_wanted_resident_bytes(settings, device, other_bytes, group_bytes,  # so it pins what will stream
+                                              _inference_reserve(model)),
         pin_memory=ComfyPinner.enabled(),
         entry_methods=block_entry_methods(model.diffusion_model),
         fill=fill,
@@ -531,6 +614,11 @@ def _check_offloadable(blocks: list[nn.Module]) -> None:
                          "fp8mixed, bf16...) with Load Diffusion Model (Group Offload)") from error
 
 
+_WRAPPER_KEY = "group_offload"
+_WRAPPERS = {comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING: _plan_for_the_run,
+             comfy.patcher_extension.WrappersMP.APPLY_MODEL: _apply_model_backing_off}
+
+
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
@@ -542,6 +630,9 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     _own_engine(clone)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
+    for kind, wrapper in _WRAPPERS.items():
+        clone.remove_wrappers_with_key(kind, _WRAPPER_KEY)  # (once, however often the model was offloaded)
+        clone.add_wrapper_with_key(kind, _WRAPPER_KEY, wrapper)
     # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
     # device before this one loads, instead of taking that state as already loaded.
     clone.patches_uuid = uuid.uuid4()

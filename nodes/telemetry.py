@@ -73,6 +73,8 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "groups": stats["groups"],
         "resident_groups": stats["resident_groups"],
         "streamed_groups": stats["groups"] - stats["resident_groups"],
+        "prefetch": stats["prefetch"],
+        "back_offs": stats["back_offs"],
         "resident_bytes": stats["resident_bytes"],
         "streamed_bytes_per_pass": stats["streamed_bytes_per_pass"],
         "pinned_bytes": stats["pinned_bytes"],
@@ -124,10 +126,13 @@ def post_cfg_step(args: dict[str, Any]) -> torch.Tensor:
     return args["denoised"]
 
 
-def finish_run(diffusion_model: nn.Module) -> None:
+def finish_run(diffusion_model: nn.Module) -> dict[str, Any] | None:
+    """Close the open sampling run of this model, if any; returns its final figures."""
     run = _RUNS.pop(diffusion_model, None)
-    if run is not None:
-        _LAST_RUN[diffusion_model] = run.finish()
+    if run is None:
+        return None
+    _LAST_RUN[diffusion_model] = run.finish()
+    return _LAST_RUN[diffusion_model]
 
 
 def last_run(diffusion_model: nn.Module) -> dict[str, Any] | None:

@@ -28,7 +28,8 @@ class OutOfMemoryAfterBackOff(torch.OutOfMemoryError):
     def __init__(self, tried: list[Residency], advice: str = "") -> None:
         self.tried = tried
         plans = " -> ".join(str(residency) for residency in tried)
-        super().__init__(f"out of device memory under every plan it could fall back to: {plans}. {advice}".rstrip())
+        super().__init__(f"Group Offload: out of device memory under every plan it could fall back to: {plans}. "
+                         f"{advice}".rstrip())
 
 
 def call_backing_off(handle: GroupOffloadHandle, call: Callable[[], T],

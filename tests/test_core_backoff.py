@@ -171,8 +171,8 @@ def test_out_of_memory_under_every_plan_names_them_and_leaves_the_engine_working
         assert [(r.resident_groups, r.prefetch) for r in error.tried] == [(6, 2), (0, 2), (0, 1)]
         assert runs == [3] and handle.stats()["back_offs"] == 2
         message = str(error)
-        assert message.startswith("out of device memory under every plan it could fall back to: 6 of 6 groups "
-                                  "resident, prefetch 2")
+        assert message.startswith("Group Offload: out of device memory under every plan it could fall back to: "
+                                  "6 of 6 groups resident, prefetch 2")
         assert "-> 0 of 6 groups resident, prefetch 1 (" in message and message.endswith(". Try a smaller input.")
         assert torch.equal(offloaded(x), expected), "the engine runs on under the last plan"
         handle.set_resident_bytes(sum(g.nbytes for g in handle.groups))

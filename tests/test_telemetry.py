@@ -19,9 +19,9 @@ from torch import nn
 
 from comfy_env import REPO_ROOT, run_node, run_txt2img
 
-# What web/group_offload.js and web/group_offload_report.js read from a message.
+# Every field of a message, for web/group_offload.js and web/group_offload_report.js to read.
 FRONT_END_FIELDS = {
-    "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "resident_bytes",
+    "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "prefetch", "back_offs", "resident_bytes",
     "streamed_bytes_per_pass", "pinned_bytes", "host_bytes", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
     "compute_wait_ms", "hook_us_per_group", "steps", "bytes_per_step", "h2d_gbps", "step_gbps",
 }
@@ -107,7 +107,7 @@ def _stats(**overrides) -> dict:
         "bytes_h2d": 6_000_000_000, "bytes_d2h": 0, "copies_h2d": 12, "copies_d2h": 0, "onloads": 12,
         "sync_onloads": 1, "prefetches": 10, "compute_wait_ms": 12.5, "hook_us_per_group": 40.0,
         "hook_seconds": 0.01, "hook_calls": 250, "slab_bytes": 2_000_000_000, "host_bytes": 5_000_000_000,
-        "pinned_bytes": 3_000_000_000,
+        "pinned_bytes": 3_000_000_000, "prefetch": 1, "back_offs": 2,
     }
     return {**stats, **overrides}
 
@@ -120,6 +120,7 @@ def test_payload_has_the_fields_the_front_end_reads(telemetry):
     assert json.loads(json.dumps(payload)) == payload  # goes over the websocket as JSON
     assert payload["node_id"] == "12" and payload["final"] is True and payload["cpu_only"] is False
     assert (payload["groups"], payload["resident_groups"], payload["streamed_groups"]) == (5, 2, 3)
+    assert (payload["prefetch"], payload["back_offs"]) == (1, 2)
     assert payload["resident_bytes"] == 2_000_000_000
     assert payload["streamed_bytes_per_pass"] == 3_000_000_000
     assert (payload["pinned_bytes"], payload["host_bytes"]) == (3_000_000_000, 5_000_000_000)
@@ -239,6 +240,7 @@ def test_offloaded_sampling_run_sends_a_final_payload_without_copy_back(comfy, c
     assert final["bytes_d2h"] == 0
     assert final["steps"] == steps
     assert final["groups"] == final["streamed_groups"] == 2 and final["resident_groups"] == 0
+    assert (final["prefetch"], final["back_offs"]) == (1, 0)
     assert final["bytes_h2d"] > 0
     # Every step streams every group; prefetch=1 also copies the next pass's first group ahead, which
     # after the last step is one group that no pass uses.

@@ -2,7 +2,8 @@
 
 Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
-7B Qwen text encoder. With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
+7B Qwen text encoder, and one that makes a block of a model run out of GPU memory (see
+``GroupOffloadTestOutOfMemory``). With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
 the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``; with
 ``GROUP_OFFLOAD_HOLD_WORKER_GC=1`` a ``POST /free`` after the first prompt is certain to land where
 ComfyUI's queue misses it (see ``hold_the_workers_first_collection``).
@@ -12,7 +13,10 @@ import linecache
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
+
+import torch
 
 _TESTS_DIR = str(Path(__file__).resolve().parent.parent)
 if _TESTS_DIR not in sys.path:
@@ -149,6 +153,75 @@ class GroupOffloadTestLiveObjects:
         return {"ui": {"live": [live_objects()]}}
 
 
+OUT_OF_MEMORY_OPTION = "group_offload_test_out_of_memory"  # in a patcher's transformer_options
+
+
+class InjectedOutOfMemory:
+    """How often one transformer block still runs out of memory; shared by the clones of a patcher
+    (ComfyUI copies the dicts of its model options, not the objects in them)."""
+
+    def __init__(self, block: int, failures: int) -> None:
+        self.block = block
+        self.failures_left = failures
+
+    def take(self, block: int) -> bool:
+        if block != self.block or self.failures_left == 0:
+            return False
+        self.failures_left -= 1
+        return True
+
+
+_HOOKED_BLOCKS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _hook_block(base_model, index: int) -> None:
+    """Once per block: the first module the block runs raises torch.OutOfMemoryError while the patcher
+    that runs the model has an ``InjectedOutOfMemory`` left for this block. It raises inside the
+    block's forward, where an activation that does not fit would."""
+    block = base_model.diffusion_model.transformer_blocks[index]
+    if block in _HOOKED_BLOCKS:
+        return
+    _HOOKED_BLOCKS.add(block)
+    model = weakref.ref(base_model)
+
+    def run_out(module, args):
+        patcher = getattr(model(), "current_patcher", None)
+        injected = None if patcher is None else patcher.model_options["transformer_options"].get(OUT_OF_MEMORY_OPTION)
+        if injected is not None and injected.take(index):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB "
+                                         f"(injected at transformer block {index} by the Group Offload tests)")
+
+    for child in block.children():
+        child.register_forward_pre_hook(run_out)
+
+
+class GroupOffloadTestOutOfMemory:
+    """A clone of the model whose ``block``-th transformer block runs out of GPU memory the first
+    ``failures`` times it runs (Qwen-Image models)."""
+
+    TITLE = "Out Of Memory (Group Offload tests)"
+    CATEGORY = "testing/group_offload"
+    DESCRIPTION = "Makes a transformer block of the model raise torch.OutOfMemoryError the first N times it runs."
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "inject"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "A Qwen-Image model, offloaded or not."}),
+            "block": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": "Index of the transformer block."}),
+            "failures": ("INT", {"default": 1, "min": 1, "max": 10000,
+                                 "tooltip": "How many runs of the block fail, from the first one on."}),
+        }}
+
+    def inject(self, model, block: int, failures: int):
+        clone = model.clone()
+        clone.model_options["transformer_options"][OUT_OF_MEMORY_OPTION] = InjectedOutOfMemory(block, failures)
+        _hook_block(clone.model, block)
+        return (clone,)
+
+
 NODE_CLASS_MAPPINGS = {"GroupOffloadTestConditioning": GroupOffloadTestConditioning,
-                       "GroupOffloadTestLiveObjects": GroupOffloadTestLiveObjects}
+                       "GroupOffloadTestLiveObjects": GroupOffloadTestLiveObjects,
+                       "GroupOffloadTestOutOfMemory": GroupOffloadTestOutOfMemory}
 NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}
