@@ -24,8 +24,9 @@ OFFLOAD_INPUTS: dict[str, tuple] = {
                    "only when it is needed (synchronous); every extra group costs one more buffer."}),
     "residency": (list(RESIDENCY_MODES), {
         "default": "auto",
-        "tooltip": "auto: keep as many groups on the GPU as fit after ComfyUI's inference reserve, stream "
-                   "the rest. stream_all: keep none resident. budget: keep resident_gb worth resident."}),
+        "tooltip": "auto: keep as many groups on the GPU as fit beside what the sampling run needs (its "
+                   "activations, from the latent's size), stream the rest. stream_all: keep none resident. budget: "
+                   "keep resident_gb worth resident. A step that runs out of GPU memory keeps fewer and runs again."}),
     "resident_gb": ("FLOAT", {
         "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.5,
         "tooltip": "GPU memory (GB) for groups that stay resident; used only when residency is budget."}),
