@@ -169,6 +169,29 @@ def _prepare_user(server: ComfyServer) -> None:
         (server.base_dir / "user" / "default" / folder).mkdir(parents=True, exist_ok=True)
 
 
+READY_JS = """
+() => {
+    const app = window.comfyAPI?.app?.app;
+    let names;
+    try {
+        names = app?.extensions?.map((e) => e.name) ?? [];
+    } catch {
+        return false;  // frontend 1.49 throws from app.extensions until its stores exist
+    }
+    // After set-up the frontend loads its first workflow, which would replace a graph
+    // built before it: wait until that workflow is the active one.
+    return app?.canvas && window.LiteGraph?.registered_node_types?.GroupOffloadReport
+        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report")
+        && app.extensionManager?.workflow?.activeWorkflow != null;
+}
+"""
+
+
+def wait_until_ready(page: Page) -> None:
+    """Until the front end has loaded, with this pack's extensions registered and its first workflow open."""
+    page.wait_for_function(READY_JS, timeout=PAGE_TIMEOUT_MS)
+
+
 @dataclass
 class BrowserPage:
     page: Page
@@ -203,22 +226,7 @@ def browser_page(chromium: str, comfy_server: ComfyServer) -> Iterator[BrowserPa
             # The "Introducing Nodes 2.0" banner is dismissed in local storage.
             page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
             page.goto(comfy_server.url, timeout=PAGE_TIMEOUT_MS)
-            page.wait_for_function(
-                """() => {
-                    const app = window.comfyAPI?.app?.app;
-                    let names;
-                    try {
-                        names = app?.extensions?.map((e) => e.name) ?? [];
-                    } catch {
-                        return false;  // frontend 1.49 throws from app.extensions until its stores exist
-                    }
-                    // After set-up the frontend loads its first workflow, which would replace a graph
-                    // built before it: wait until that workflow is the active one.
-                    return app?.canvas && window.LiteGraph?.registered_node_types?.GroupOffloadReport
-                        && names.includes("GroupOffload.Telemetry") && names.includes("GroupOffload.Report")
-                        && app.extensionManager?.workflow?.activeWorkflow != null;
-                }""",
-                timeout=PAGE_TIMEOUT_MS)
+            wait_until_ready(page)
             yield BrowserPage(page, console)
         finally:
             context.close()
