@@ -235,6 +235,7 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def pre_run(self):
         super().pre_run()
+        _refuse_cuda_graphs(self.model_options)
         handle = self.current_engine()
         _LAST_RUN[self.model.diffusion_model] = next(_runs_started)
         if handle is not None:
@@ -404,6 +405,23 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     _ENGINES[base_model] = handle_ref
     _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(check_patcher),
                                 diffusion_model.register_forward_hook(check_blocks_ran, always_call=True)]
+
+
+# torch.compile settings that replay CUDA graphs (ComfyUI keeps TorchCompileModel's under this key).
+_CUDA_GRAPH_BACKENDS = {"cudagraphs"}
+_CUDA_GRAPH_MODES = {"reduce-overhead", "max-autotune"}
+
+
+def _refuse_cuda_graphs(model_options: dict[str, Any]) -> None:
+    """A CUDA graph replays the weight addresses it recorded, and a streamed group lands in whichever
+    buffer is free: every step would record again (or read another group's weights)."""
+    compiled = model_options.get("torch_compile_kwargs") or {}
+    if compiled.get("backend") in _CUDA_GRAPH_BACKENDS or compiled.get("mode") in _CUDA_GRAPH_MODES:
+        setting = f"backend {compiled['backend']!r}" if compiled.get("backend") in _CUDA_GRAPH_BACKENDS \
+            else f"mode {compiled['mode']!r}"
+        raise ValueError(f"Group Offload cannot run a model compiled with CUDA graphs (TorchCompileModel's {setting}): "
+                         "a graph replays the addresses of the weights it recorded, and streamed blocks move between "
+                         "buffers at every step; use the inductor backend")
 
 
 # Diffusion model -> when its engine last started a sampling run (a counter): the least recent gives its pins up first.

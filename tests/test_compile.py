@@ -191,3 +191,14 @@ def test_free_and_lora_change_leave_no_stale_graph(comfy_server):
     weak = run(0.3)  # the same compiled model (cached node outputs), a new engine, other LoRA weights
     torch.testing.assert_close(weak, run(0.3, compiled=False), rtol=1e-4, atol=1e-4)
     assert (weak - strong).abs().max() > 1e-2, "the strength must change the result"
+
+
+@pytest.mark.parametrize("settings", [{"backend": "cudagraphs"}, {"backend": "inductor", "mode": "reduce-overhead"}])
+def test_cuda_graphs_are_refused_by_name(models, settings):  # noqa: F811
+    """A CUDA graph replays recorded weight addresses; streamed groups change buffers (issue 25, item 6)."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    compiled = offload(load_plain())
+    set_torch_compile_wrapper(model=compiled, **settings)
+    with pytest.raises(ValueError, match="cannot run a model compiled with CUDA graphs .*use the inductor backend"):
+        latent(compiled)
