@@ -54,3 +54,12 @@ def test_the_server_serves_each_page_and_its_images_where_the_front_end_asks(com
         assert "/" not in image, "the front end resolves images against docs/, whichever page names them"
         status, body = fetch(comfy_server, DOCS_URL + image)
         assert status == 200 and body.startswith(PNG_SIGNATURE), image
+
+
+def test_the_report_pages_explain_every_row_of_the_reports_table():
+    """The rows as web/group_offload_report.js labels them (the table is English in every language)."""
+    labels = re.findall(r'^\s*\["\w+", "([^"]+)"', (REPO_ROOT / "web" / "group_offload_report.js").read_text(), re.M)
+    assert len(labels) >= 10
+    for page in ("GroupOffloadReport.md", "GroupOffloadReport/zh.md"):
+        text = (DOCS / page).read_text()
+        assert [label for label in labels if f"**{label}**" not in text] == [], page
