@@ -187,9 +187,10 @@ class GroupOffloadPatcher(ModelPatcher):
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
         stats = handle.stats()
-        log.info("Group Offload: %d of %d groups resident (%.2f GB), %.2f GB streamed per pass, prefetch %d",
-                 stats["resident_groups"], stats["groups"], stats["resident_bytes"] / 1e9,
-                 stats["streamed_bytes_per_pass"] / 1e9, handle.config.prefetch)
+        log.info("Group Offload: %d of %d groups resident (%.2f GB), %.2f GB streamed per pass (%.2f GB pinned, "
+                 "%.1f s spent pinning so far), prefetch %d", stats["resident_groups"], stats["groups"],
+                 stats["resident_bytes"] / 1e9, stats["streamed_bytes_per_pass"] / 1e9, stats["pinned_bytes"] / 1e9,
+                 stats["pin_seconds"], handle.config.prefetch)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self._release_engine_memory()

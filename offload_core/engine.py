@@ -110,6 +110,7 @@ class GroupOffloadHandle:
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
         self._patch_bytes = 0
         self._wrapped = [w for g in self.groups for w in self._wrap_entries(g)]
+        self.pin_seconds = 0.0  # host time spent registering (and refused registering) mirrors, in all
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(config.resident_bytes)
@@ -129,6 +130,7 @@ class GroupOffloadHandle:
             "slab_bytes": self._slab_bytes * self._slabs_made,
             "host_bytes": sum(g.nbytes for g in self.groups),
             "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned),
+            "pin_seconds": self.pin_seconds,
         }
 
     def reset_stats(self) -> None:
@@ -206,7 +208,11 @@ class GroupOffloadHandle:
         for group in self.groups:
             if group.resident:
                 group.mirror.unpin()  # first, so that the streamed ones can have what it held
+        started = time.perf_counter()
         refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
+        if refused and self._runtime is not None:
+            self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
+        self.pin_seconds += time.perf_counter() - started
         if refused:
             log.info("%.1f MB of streamed groups stay in pageable memory (slower copies): pinning was refused",
                      refused / 2**20)
@@ -501,12 +507,8 @@ class GroupOffloadHandle:
         return CudaHostRegister(self.config.onload_device)
 
     def _pin(self, group: ModuleGroup) -> bool:
-        drain = None if self._runtime is None else self._copy_stream.synchronize
-        if group.pin(self._pinner, drain=drain):
-            return True
-        if self._runtime is not None:
-            self._runtime.discard_last_error()  # so that it does not surface at a later kernel launch
-        return False
+        """Pin one mirror; a refusal's CUDA error is the caller's to discard (once per pass: it syncs the device)."""
+        return group.pin(self._pinner, drain=None if self._runtime is None else self._copy_stream.synchronize)
 
 
 def apply_group_offload(

@@ -160,6 +160,7 @@ class StreamChecker(TorchDispatchMode):
         self.current = Stream(self, COMPUTE)
         self.races: list[str] = []
         self.last_error: str | None = None
+        self.discards = 0
         self.cudart = CheckedCudart(self)
         self.allocations = 0
         self.allocation_attempts = 0
@@ -228,6 +229,7 @@ class StreamChecker(TorchDispatchMode):
 
     def discard_last_error(self) -> None:
         self.last_error = None
+        self.discards += 1  # each one costs the real runtime a launch and a device sync
 
     # --- kernels ---------------------------------------------------------------------------
 

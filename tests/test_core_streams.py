@@ -101,6 +101,8 @@ def test_a_refused_pin_leaves_no_cuda_error_behind(checker, caplog):
     handle = offload(offloaded, checker)
     assert handle.stats()["pinned_bytes"] == 0
     assert "pinning was refused" in caplog.text
+    assert checker.discards == 1, "one device sync for the whole pass, not one per refused group"
+    assert handle.stats()["pin_seconds"] > 0
     with torch.no_grad():
         assert torch.equal(offloaded(x), reference(x)), "no stale error surfaced at a kernel launch"
 
