@@ -8,6 +8,7 @@ that does not fit would. The "card" is the CPU, whose free and total memory Comf
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -23,8 +24,8 @@ from test_nodes_api import pixels, report_of, with_report
 BACK_OFF_LINE = "the GPU ran out of memory"
 
 
-def out_of_memory_at(model, block: int, failures: int = 1):
-    return run_node("GroupOffloadTestOutOfMemory", model=model, block=block, failures=failures).outputs[0]
+def out_of_memory_at(model, block: int, failures: int = 1, after: int = 0):
+    return run_node("GroupOffloadTestOutOfMemory", model=model, block=block, failures=failures, after=after).outputs[0]
 
 
 def report(model, latent: torch.Tensor) -> dict:
@@ -50,6 +51,22 @@ def test_an_out_of_memory_in_the_first_forward_backs_off_once_and_keeps_the_late
     assert torch.equal(latent, expected)
     stats = report(model, latent)
     assert (stats["back_offs"], stats["resident_groups"]) == (0, 4), "ComfyUI on the CPU has room for all"
+
+
+@pytest.mark.parametrize("residency", ["auto", "stream_all"])
+def test_backing_off_in_a_later_step_under_the_stream_checker(models, checker, monkeypatch, residency):
+    """The engine streams through the checker's runtime (a side stream, events, device allocations); the
+    second step's forward runs out of memory at block 2 with the next groups' copies in flight."""
+    patcher = pack_module("nodes.patcher")
+    monkeypatch.setattr(patcher, "apply_group_offload", functools.partial(patcher.apply_group_offload, runtime=checker))
+    expected = run_txt2img(load_plain(), seed=7, steps=3).latent
+    model = offload(load_plain(), residency=residency, prefetch=2)
+    latent = run_txt2img(out_of_memory_at(model, block=2, after=1), seed=7, steps=3).latent
+    assert torch.equal(latent, expected)
+    stats = report(model, latent)
+    assert (stats["back_offs"], stats["resident_groups"]) == (1, 0)
+    assert stats["prefetch"] == (2 if residency == "auto" else 1), "every group streamed, then prefetch 1"
+    assert checker.released > 0, "the freed buffers went back to the driver, checked"
 
 
 def test_out_of_memory_under_every_plan_raises_what_was_tried_and_the_model_runs_on(models):
@@ -128,7 +145,7 @@ def test_out_of_memory_everywhere_reaches_the_history_and_the_server_keeps_servi
     auto = {"blocks_per_group": 1, "prefetch": 1, "residency": "auto", "resident_gb": 0.0}
     workflow = txt2img_workflow(name, seed=71, model_patch=("GroupOffload", auto))
     workflow["11"] = {"class_type": "GroupOffloadTestOutOfMemory",
-                      "inputs": {"model": ["10", 0], "block": 1, "failures": 100}}
+                      "inputs": {"model": ["10", 0], "block": 1, "failures": 100, "after": 0}}
     workflow["6"]["inputs"]["model"] = ["11", 0]
     entry = comfy_server.wait(comfy_server.queue(workflow), check=False)
     assert entry["status"]["status_str"] == "error"

@@ -157,15 +157,21 @@ OUT_OF_MEMORY_OPTION = "group_offload_test_out_of_memory"  # in a patcher's tran
 
 
 class InjectedOutOfMemory:
-    """How often one transformer block still runs out of memory; shared by the clones of a patcher
-    (ComfyUI copies the dicts of its model options, not the objects in them)."""
+    """Which runs of one transformer block run out of memory: ``failures`` of them after the first
+    ``after``. Shared by the clones of a patcher (ComfyUI copies the dicts of its model options, not
+    the objects in them)."""
 
-    def __init__(self, block: int, failures: int) -> None:
+    def __init__(self, block: int, failures: int, after: int) -> None:
         self.block = block
+        self.runs_left_before_failing = after
         self.failures_left = failures
 
     def take(self, block: int) -> bool:
+        """Whether this run of ``block`` fails; called once per run of the block."""
         if block != self.block or self.failures_left == 0:
+            return False
+        if self.runs_left_before_failing:
+            self.runs_left_before_failing -= 1
             return False
         self.failures_left -= 1
         return True
@@ -175,33 +181,43 @@ _HOOKED_BLOCKS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def _hook_block(base_model, index: int) -> None:
-    """Once per block: the first module the block runs raises torch.OutOfMemoryError while the patcher
-    that runs the model has an ``InjectedOutOfMemory`` left for this block. It raises inside the
+    """Once per block: at each run of the block, its first module to run raises torch.OutOfMemoryError
+    when the ``InjectedOutOfMemory`` of the patcher that runs the model says so. It raises inside the
     block's forward, where an activation that does not fit would."""
     block = base_model.diffusion_model.transformer_blocks[index]
     if block in _HOOKED_BLOCKS:
         return
     _HOOKED_BLOCKS.add(block)
     model = weakref.ref(base_model)
+    checked = False
+
+    def run_starts(module, args):
+        nonlocal checked
+        checked = False
 
     def run_out(module, args):
+        nonlocal checked
+        if checked:
+            return
+        checked = True
         patcher = getattr(model(), "current_patcher", None)
         injected = None if patcher is None else patcher.model_options["transformer_options"].get(OUT_OF_MEMORY_OPTION)
         if injected is not None and injected.take(index):
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB "
                                          f"(injected at transformer block {index} by the Group Offload tests)")
 
+    block.register_forward_pre_hook(run_starts)
     for child in block.children():
         child.register_forward_pre_hook(run_out)
 
 
 class GroupOffloadTestOutOfMemory:
-    """A clone of the model whose ``block``-th transformer block runs out of GPU memory the first
-    ``failures`` times it runs (Qwen-Image models)."""
+    """A clone of the model whose ``block``-th transformer block runs out of GPU memory ``failures``
+    times it runs, after ``after`` runs that succeed (Qwen-Image models)."""
 
     TITLE = "Out Of Memory (Group Offload tests)"
     CATEGORY = "testing/group_offload"
-    DESCRIPTION = "Makes a transformer block of the model raise torch.OutOfMemoryError the first N times it runs."
+    DESCRIPTION = "Makes a transformer block of the model raise torch.OutOfMemoryError N times it runs."
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "inject"
 
@@ -210,13 +226,14 @@ class GroupOffloadTestOutOfMemory:
         return {"required": {
             "model": ("MODEL", {"tooltip": "A Qwen-Image model, offloaded or not."}),
             "block": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": "Index of the transformer block."}),
-            "failures": ("INT", {"default": 1, "min": 1, "max": 10000,
-                                 "tooltip": "How many runs of the block fail, from the first one on."}),
+            "failures": ("INT", {"default": 1, "min": 1, "max": 10000, "tooltip": "How many runs of the block fail."}),
+            "after": ("INT", {"default": 0, "min": 0, "max": 10000,
+                              "tooltip": "How many runs of the block succeed before the first failure."}),
         }}
 
-    def inject(self, model, block: int, failures: int):
+    def inject(self, model, block: int, failures: int, after: int):
         clone = model.clone()
-        clone.model_options["transformer_options"][OUT_OF_MEMORY_OPTION] = InjectedOutOfMemory(block, failures)
+        clone.model_options["transformer_options"][OUT_OF_MEMORY_OPTION] = InjectedOutOfMemory(block, failures, after)
         _hook_block(clone.model, block)
         return (clone,)
 
