@@ -56,7 +56,8 @@ def test_an_out_of_memory_in_the_first_forward_backs_off_once_and_keeps_the_late
 @pytest.mark.parametrize("residency", ["auto", "stream_all"])
 def test_backing_off_in_a_later_step_under_the_stream_checker(models, checker, monkeypatch, residency):
     """The engine streams through the checker's runtime (a side stream, events, device allocations); the
-    second step's forward runs out of memory at block 2 with the next groups' copies in flight."""
+    second step's forward runs out of memory at block 2, where every group streaming has the next
+    groups' copies in flight and every group resident has its own device buffer to give back."""
     patcher = pack_module("nodes.patcher")
     monkeypatch.setattr(patcher, "apply_group_offload", functools.partial(patcher.apply_group_offload, runtime=checker))
     expected = run_txt2img(load_plain(), seed=7, steps=3).latent
