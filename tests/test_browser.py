@@ -436,6 +436,7 @@ def _check_figures(ids: dict, state: dict, steps: int) -> None:
     assert state["rows"]["bytes_d2h"][1] == "0 B"
     assert state["rows"]["steps"][1] == str(steps)
     assert state["rows"]["groups"][1] == "2 (0 resident, 2 streamed)"
+    assert state["rows"]["back_offs"][1] == "none"
     assert re.fullmatch(r"\d+(\.\d+)? (KB|MB|GB) in \d+ copies", state["rows"]["bytes_h2d"][1])
     if telemetry["cpu_only"]:
         assert "offloading brings nothing" in state["reportText"]

@@ -65,6 +65,8 @@ function reportRows(stats) {
     ["h2d_gbps", "Achieved host → GPU", formatRate(stats.h2d_gbps)],
     ["compute_wait_ms", "Compute waited for copies", formatMs(stats.compute_wait_ms)],
     ["onloads", "Group onloads", `${stats.onloads} (${stats.sync_onloads} waited on)`],
+    ["back_offs", "Out-of-memory back-offs", stats.back_offs
+      ? `${stats.back_offs} (ended at ${stats.resident_groups} resident, prefetch ${stats.prefetch})` : "none"],
     ["hook_us_per_group", "Hook time per group", formatUs(stats.hook_us_per_group)],
   ];
 }
