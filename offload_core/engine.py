@@ -334,7 +334,7 @@ class GroupOffloadHandle:
                 self._enter(group, first)
                 output = method(*args, **kwargs)
             except BaseException:
-                self._leave(group, close=True)  # a failed onload or forward: the group computes from its mirror
+                self._leave(group, close=True, failed=True)  # the group computes from its mirror again
                 raise
             self._leave(group, close=last)
             return output
@@ -358,15 +358,14 @@ class GroupOffloadHandle:
         if group.ready is not None:
             self._wait_for(group)
         self._active.add(group.index)
-        if self._lookahead is not None:
-            for upcoming in self._lookahead.get(group.index, ()):
-                if not upcoming.onloaded and not self._prefetch(upcoming):
-                    break
+        self._prefetch_after(group, pageable=False)
         self.ledger.record_hook(time.perf_counter() - started, entered=True)
 
     @torch.compiler.disable
-    def _leave(self, group: ModuleGroup, close: bool) -> None:
+    def _leave(self, group: ModuleGroup, close: bool, failed: bool = False) -> None:
         group.running -= 1
+        if not failed:
+            self._prefetch_after(group, pageable=True)
         if close:
             started = time.perf_counter()
             self._close(group)
@@ -404,6 +403,24 @@ class GroupOffloadHandle:
             after = [q for q in streamed_positions if q > p] + [q for q in streamed_positions if q <= p]
             plan[group.index] = [order[q] for q in after if order[q] is not group][: self.prefetch]
         return plan
+
+    def _prefetch_after(self, group: ModuleGroup, pageable: bool) -> None:
+        """Start copying the streamed groups that follow ``group``, in order, while slabs are free.
+
+        From its enter (``pageable`` False) only up to the first group whose mirror is not pinned: a
+        copy from pageable memory blocks the host until it is done, and there it would hold back the
+        launch of this group's kernels, leaving the GPU idle through the copy. Its leave (``pageable``
+        True), with this group's kernels queued, copies the rest; the copy then overlaps them.
+        """
+        if self._lookahead is None:
+            return
+        for upcoming in self._lookahead.get(group.index, ()):
+            if upcoming.onloaded:
+                continue
+            if not pageable and self._runtime is not None and not upcoming.mirror.pinned:
+                return
+            if not self._prefetch(upcoming):
+                return
 
     def _prefetch(self, group: ModuleGroup) -> bool:
         """Start copying ``group`` ahead of its use, if a slab is free; never evicts."""

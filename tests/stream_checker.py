@@ -161,6 +161,7 @@ class StreamChecker(TorchDispatchMode):
         self.races: list[str] = []
         self.last_error: str | None = None
         self.discards = 0
+        self.launches: list[tuple[str, set[str], set[str]]] = []  # (stream, regions touched, regions written), in order
         self.cudart = CheckedCudart(self)
         self.allocations = 0
         self.allocation_attempts = 0
@@ -259,6 +260,8 @@ class StreamChecker(TorchDispatchMode):
         if tracked:
             stream = self.current.name
             self._tick(stream)
+            self.launches.append((stream, {r.name for lo, hi, _ in tracked for r in self._overlapping(lo, hi)},
+                                  {r.name for lo, hi, w in tracked if w for r in self._overlapping(lo, hi)}))
             for lo, hi, write in tracked:
                 self._access(stream, lo, hi, write, str(func))
 

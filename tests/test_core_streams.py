@@ -15,7 +15,7 @@ from torch import nn
 from offload_core import CudaHostRegister, apply_group_offload
 from offload_core.mirror import HOST_REGISTER_PORTABLE
 from offload_core.runtime import CudaRuntime
-from stream_checker import StreamChecker
+from stream_checker import COMPUTE, StreamChecker
 from test_core_engine import make_pair
 
 
@@ -105,6 +105,27 @@ def test_a_refused_pin_leaves_no_cuda_error_behind(checker, caplog):
     assert handle.stats()["pin_seconds"] > 0
     with torch.no_grad():
         assert torch.equal(offloaded(x), reference(x)), "no stale error surfaced at a kernel launch"
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pageable_group_is_copied_behind_the_launch_of_the_running_one(checker, pinned):
+    """A copy from pageable memory blocks the host until it is done: issued at a group's enter, before its
+    kernels, it would leave the GPU idle through the copy. So it is issued at the leave, after them."""
+    reference, offloaded, x = make_pair("cpu")
+    checker.cudart.refuse = not pinned
+    handle = offload(offloaded, checker, prefetch=1)  # two slabs, taken in turn
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(2):  # the second pass runs on the learnt order: every copy is a prefetch
+            checker.launches.clear()
+            assert torch.equal(offloaded(x), expected)
+    assert handle.stats()["pinned_bytes"] == (handle.stats()["streamed_bytes_per_pass"] if pinned else 0)
+    copies = [i for i, (stream, _, written) in enumerate(checker.launches) if stream != COMPUTE and written]
+    # Behind the launch, the kernel before a copy reads the running group's slab; ahead of it, it is the
+    # last kernel of the group before, which read the slab the copy now refills.
+    behind = {checker.launches[i - 1][0] == COMPUTE and not checker.launches[i - 1][1] & checker.launches[i][2]
+              for i in copies if i > 0}
+    assert len(copies) == len(handle.groups) and behind == {not pinned}
 
 
 def test_wait_timers_stay_bounded_when_nobody_reads_stats(checker):
