@@ -165,13 +165,17 @@ class RandomWeights:
             return 0.02, 1.0
         return shape[1:].numel() ** -0.5, 0.0
 
-    def window(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A view of the pool for ``name`` (no memory of its own) when it fits in one window."""
+    def _values(self, name: str, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+        """``name``'s pool, its window length and where ``name``'s values start in it."""
         pool = self._pool_for(*self._scale(name, shape), dtype)
         length = pool.numel() // 2
+        return pool, length, zlib.crc32(name.encode()) % length
+
+    def window(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A view of the pool for ``name`` (no memory of its own) when it fits in one window."""
+        pool, length, offset = self._values(name, shape, dtype)
         if shape.numel() > length:
             return self.filled(name, shape, dtype)
-        offset = zlib.crc32(name.encode()) % length
         return pool[offset : offset + shape.numel()].view(shape)
 
     def filled(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -181,26 +185,35 @@ class RandomWeights:
         return out
 
     def __call__(self, name: str, out: torch.Tensor) -> None:
-        pool = self._pool_for(*self._scale(name, out.shape), out.dtype)
-        length = pool.numel() // 2
-        flat, offset = out.view(-1), zlib.crc32(name.encode()) % length
+        pool, length, offset = self._values(name, out.shape, out.dtype)
+        flat = out.view(-1)
         for start in range(0, flat.numel(), length):
             chunk = flat[start : start + length]
             chunk.copy_(pool[offset : offset + chunk.numel()])
 
 
-def comfy_qwen_shapes(config: BenchConfig) -> dict[str, torch.Size]:
-    """The state-dict shapes of ComfyUI's Qwen-Image at this size (built on meta: no memory)."""
+def fill_module(module: nn.Module, fill: RandomWeights) -> None:
+    """Write ``fill``'s values into every parameter and buffer of ``module``."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        fill(name, tensor.data)
+
+
+def comfy_qwen_on_meta(config: BenchConfig) -> nn.Module:
+    """ComfyUI's Qwen-Image at this size on the meta device, every weight made (no memory)."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
     from comfy_env import qwen_rope_axes
 
     with eager_weights():
-        model = QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
-                                            num_attention_heads=config.heads, joint_attention_dim=config.joint_dim,
-                                            axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=torch.bfloat16,
-                                            device="meta", operations=comfy.ops.disable_weight_init)
-    return {name: t.shape for name, t in model.state_dict().items()}
+        return QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
+                                           num_attention_heads=config.heads, joint_attention_dim=config.joint_dim,
+                                           axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=torch.bfloat16,
+                                           device="meta", operations=comfy.ops.disable_weight_init)
+
+
+def comfy_qwen_shapes(config: BenchConfig) -> dict[str, torch.Size]:
+    """The state-dict shapes of ComfyUI's Qwen-Image at this size."""
+    return {name: t.shape for name, t in comfy_qwen_on_meta(config).state_dict().items()}
 
 
 @contextlib.contextmanager
@@ -669,18 +682,8 @@ def time_bare(row: Row, step: Callable[[], Any], config: BenchConfig, balloon: B
 
 
 def copy_back_row(config: BenchConfig, balloon: Balloon, cap: int) -> None:
-    import comfy.ops
-    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-    from comfy_env import qwen_rope_axes
-
-    model = QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
-                                        num_attention_heads=config.heads, joint_attention_dim=config.joint_dim,
-                                        axes_dims_rope=qwen_rope_axes(config.head_dim), dtype=torch.bfloat16,
-                                        device="meta", operations=comfy.ops.disable_weight_init)
-    model = model.to_empty(device="cpu").eval().requires_grad_(False)
-    fill = RandomWeights(config.pool_numel)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        fill(name, tensor.data)
+    model = comfy_qwen_on_meta(config).to_empty(device="cpu").eval().requires_grad_(False)
+    fill_module(model, RandomWeights(config.pool_numel))
     for name, module in model.named_children():
         if name != "transformer_blocks":
             module.to(config.device)
@@ -701,9 +704,7 @@ def build_diffusers_model(config: BenchConfig) -> nn.Module:
     # Its RoPE frequency tables are plain attributes, not buffers: build that module for real.
     model.pos_embed = type(model.pos_embed)(theta=10000, axes_dim=list(dims["axes_dims_rope"]), scale_rope=True)
     model = model.to(torch.bfloat16).to_empty(device="cpu").eval().requires_grad_(False)
-    fill = RandomWeights(config.pool_numel)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        fill(name, tensor.data)
+    fill_module(model, RandomWeights(config.pool_numel))
     return model
 
 

@@ -107,11 +107,9 @@ def _warn_if_unpinned(handle: GroupOffloadHandle) -> None:
     log.warning("Group Offload: %d of %d streamed groups are pinned (%s of %s); ComfyUI's pinned-memory limit is %s, "
                 "%s of it in use. The others stream from pageable memory, with slower copies: unload other models, "
                 "load the model as fp8, or set residency to keep more groups on the GPU",
-                len(pinned), len(streamed), _size(sum(g.nbytes for g in pinned)), _size(sum(g.nbytes for g in streamed)),
-                _size(mm.MAX_PINNED_MEMORY), _size(mm.TOTAL_PINNED_MEMORY))
-
-
-_size = format_bytes
+                len(pinned), len(streamed), format_bytes(sum(g.nbytes for g in pinned)),
+                format_bytes(sum(g.nbytes for g in streamed)), format_bytes(mm.MAX_PINNED_MEMORY),
+                format_bytes(mm.TOTAL_PINNED_MEMORY))
 
 
 @contextlib.contextmanager
@@ -417,9 +415,10 @@ def _refuse_cuda_graphs(model_options: dict[str, Any]) -> None:
     """A CUDA graph replays the weight addresses it recorded, and a streamed group lands in whichever
     buffer is free: every step would record again (or read another group's weights)."""
     compiled = model_options.get("torch_compile_kwargs") or {}
-    if compiled.get("backend") in _CUDA_GRAPH_BACKENDS or compiled.get("mode") in _CUDA_GRAPH_MODES:
-        setting = f"backend {compiled['backend']!r}" if compiled.get("backend") in _CUDA_GRAPH_BACKENDS \
-            else f"mode {compiled['mode']!r}"
+    backend, mode = compiled.get("backend"), compiled.get("mode")
+    setting = (f"backend {backend!r}" if backend in _CUDA_GRAPH_BACKENDS
+               else f"mode {mode!r}" if mode in _CUDA_GRAPH_MODES else None)
+    if setting is not None:
         raise ValueError(f"Group Offload cannot run a model compiled with CUDA graphs (TorchCompileModel's {setting}): "
                          "a graph replays the addresses of the weights it recorded, and streamed blocks move between "
                          "buffers at every step; use the inductor backend")

@@ -85,12 +85,13 @@ class GroupOffloadHandle:
                  runtime: Runtime | None = None) -> None:
         self.config = config
         self.ledger = TransferLedger()
+        qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
+        chunks = [blocks[i : i + config.blocks_per_group] for i in range(0, len(blocks), config.blocks_per_group)]
+        check_unshared(model, chunks, qualnames)
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
         self._runtime = runtime  # None: the device is the host, copies are synchronous
         self._copy_stream = runtime.new_stream() if runtime is not None else None
-        qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
-        chunks = [blocks[i : i + config.blocks_per_group] for i in range(0, len(blocks), config.blocks_per_group)]
         self.groups: list[ModuleGroup] = []
         self._pinner = self._choose_pinner(pinner)
         for chunk in chunks:
@@ -571,7 +572,6 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
-    check_unshared(model, [blocks[i : i + blocks_per_group] for i in range(0, len(blocks), blocks_per_group)])
     return GroupOffloadHandle(model, blocks, config, fill, pinner, progress, runtime)
 
 

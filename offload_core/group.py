@@ -122,13 +122,13 @@ def check_offloadable(blocks: list[nn.Module]) -> None:
             require_packable(tensor, name)
 
 
-def check_unshared(model: nn.Module, chunks: list[list[nn.Module]]) -> None:
-    """Raise ``ValueError`` for a tensor that two groups, or a group and the rest of ``model``, hold.
+def check_unshared(model: nn.Module, chunks: list[list[nn.Module]], qualnames: dict[int, str]) -> None:
+    """Raise ``ValueError`` for a tensor that two groups, or a group and the rest of ``model``, hold
+    (``qualnames``: each module's name in ``model``, with its trailing dot).
 
     Each group streams its own copy of its tensors: a shared one would be read from another group's
     slab while that slab is being refilled, or from a host mirror by a kernel on the device.
     """
-    qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
     owner: dict[int, tuple[int, str]] = {}
     for index, chunk in enumerate(chunks):
         for module in (m for block in chunk for m in block.modules()):

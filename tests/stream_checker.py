@@ -256,13 +256,13 @@ class StreamChecker(TorchDispatchMode):
             tensors = value if isinstance(value, (list, tuple)) else [value]
             accesses += [(*_span(inner), write) for t in tensors if isinstance(t, torch.Tensor)
                          for inner in _inner_tensors(t) if inner.numel()]
-        tracked = [(lo, hi, write) for lo, hi, write in accesses if self._overlapping(lo, hi)]
-        if tracked:
+        regions = [(lo, hi, write, found) for lo, hi, write in accesses if (found := self._overlapping(lo, hi))]
+        if regions:
             stream = self.current.name
             self._tick(stream)
-            self.launches.append((stream, {r.name for lo, hi, _ in tracked for r in self._overlapping(lo, hi)},
-                                  {r.name for lo, hi, w in tracked if w for r in self._overlapping(lo, hi)}))
-            for lo, hi, write in tracked:
+            self.launches.append((stream, {r.name for *_, found in regions for r in found},
+                                  {r.name for *_, write, found in regions if write for r in found}))
+            for lo, hi, write, _ in regions:
                 self._access(stream, lo, hi, write, str(func))
 
     # --- vector clocks ---------------------------------------------------------------------
