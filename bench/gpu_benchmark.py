@@ -55,7 +55,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +73,9 @@ log = logging.getLogger("gpu_benchmark")
 
 GIB = 2**30
 RESULT_PREFIX = "RESULT "
-FAMILIES = ("shipped", "legacy", "fp8", "baselines")
-# Seconds each family may take at most on a GPU, in order of importance (the rest of the budget is shared).
-FAMILY_SHARE = {"shipped": 0.7, "legacy": 0.3, "fp8": 0.3, "baselines": 1.0}
+FAMILIES = ("shipped", "lora", "lora-native", "fp8", "baselines", "legacy")
+# Seconds each family may take at most on a GPU, in order of importance (the last takes what is left).
+FAMILY_SHARE = {"shipped": 0.55, "lora": 0.08, "lora-native": 0.08, "fp8": 0.12, "baselines": 0.12, "legacy": 1.0}
 OFFLOAD_ROWS = (("auto", {"residency": "auto", "prefetch": 1}),
                 ("stream_all p1", {"residency": "stream_all", "prefetch": 1}),
                 ("stream_all p2", {"residency": "stream_all", "prefetch": 2}))
@@ -94,6 +94,8 @@ class BenchConfig:
     caps_bytes: tuple[int, ...] = (40 * GIB, 24 * GIB)
     fp8_caps_bytes: tuple[int, ...] = (16 * GIB,)
     steps: int = 2  # timed, after one warm-up step
+    row_limit_s: float = 60.0  # a row stops after the step that passes it (the steps so far are kept)
+    lora_rank: int = 16
     pool_numel: int = 1 << 24  # random values tiled into the weights
 
     @property
@@ -360,13 +362,20 @@ def peak_rss_bytes() -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
+class RowOverTime(Exception):
+    """The row has had its time: sampling stops after the current step, the steps so far are kept."""
+
+
 class StepClock:
     """KSampler's per-step callback: a device sync and a timestamp after each step; ``at_step``
-    callbacks run after the step they name (0 = the warm-up)."""
+    callbacks run after the step they name (0 = the warm-up). Past ``limit_s`` it raises
+    :class:`RowOverTime` after the step's callback, once one timed step is in."""
 
-    def __init__(self, device: torch.device, at_step: dict[int, Callable[[], None]] | None = None) -> None:
+    def __init__(self, device: torch.device, at_step: dict[int, Callable[[], None]] | None = None,
+                 limit_s: float | None = None) -> None:
         self.device, self.at_step = device, at_step or {}
         self.times = [time.perf_counter()]
+        self.deadline = None if limit_s is None else self.times[0] + limit_s
 
     def __call__(self, step: int, *_: Any) -> None:
         if self.device.type == "cuda":
@@ -374,6 +383,8 @@ class StepClock:
         self.times.append(time.perf_counter())
         if step in self.at_step:
             self.at_step[step]()
+        if step >= 1 and self.deadline is not None and self.times[-1] > self.deadline:
+            raise RowOverTime
 
     @property
     def steps(self) -> list[float]:
@@ -420,15 +431,19 @@ def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
         latent = torch.zeros((1, 16, config.height // 8, config.width // 8))
         latent = comfy.sample.fix_empty_latent_channels(model, latent)
         noise = comfy.sample.prepare_noise(latent, 0)
-        clock = StepClock(config.device, at_step)
-        with torch.inference_mode():
-            comfy.sample.sample(model, noise, steps, 4.0, "euler", "simple", conditioning(config, 1),
-                                conditioning(config, 2), latent, denoise=1.0, callback=clock, disable_pbar=True, seed=0)
+        clock = StepClock(config.device, at_step, config.row_limit_s)
+        try:
+            with torch.inference_mode():
+                comfy.sample.sample(model, noise, steps, 4.0, "euler", "simple", conditioning(config, 1),
+                                    conditioning(config, 2), latent, denoise=1.0, callback=clock, disable_pbar=True,
+                                    seed=0)
+        except RowOverTime:
+            row.note = f"stopped past the row's {config.row_limit_s:.0f} s after {len(clock.steps) - 1} timed step(s)"
         row.first_step_s, row.step_s = clock.steps[0], clock.steps[1:]
-        row.calls_per_step = counter.calls / config.steps
+        row.calls_per_step = counter.calls / len(row.step_s)
         row.peak_rss_bytes = peak_rss_bytes()
         row.comfy_pinned_bytes = getattr(mm, "TOTAL_PINNED_MEMORY", None)
-        _read_loaded(row, model, offload_engine(model), config.steps)
+        _read_loaded(row, model, offload_engine(model), len(row.step_s))
     except torch.cuda.OutOfMemoryError as error:
         row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
     finally:
@@ -501,12 +516,12 @@ def synchronize(device: torch.device) -> None:
 class StepProfile:
     """A ``torch.profiler`` trace of one sampling step (between two step callbacks)."""
 
-    def __init__(self, config: BenchConfig, out: Path) -> None:
+    def __init__(self, config: BenchConfig, out: Path, name: str) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config.device.type == "cuda" else [])
         self.profiler = profile(activities=activities)
-        self.out = out
+        self.out, self.name = out, name
 
     def start(self) -> None:
         self.profiler.start()
@@ -519,10 +534,10 @@ class StepProfile:
         raw = self.out / "trace.json"
         self.profiler.export_chrome_trace(str(raw))
         events = json.loads(raw.read_text()).get("traceEvents", [])
-        with raw.open("rb") as source, gzip.open(self.out / "step_trace.json.gz", "wb") as target:
+        with raw.open("rb") as source, gzip.open(self.out / self.name, "wb") as target:
             target.write(source.read())
         raw.unlink()
-        return {"trace": "step_trace.json.gz", **overlap_figures(events)}
+        return {"trace": self.name, **overlap_figures(events)}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -579,18 +594,25 @@ def offload_node(plain: Any, settings: dict[str, Any]) -> Any:
     return run_node("GroupOffload", model=plain, blocks_per_group=1, resident_gb=0.0, **settings).outputs[0]
 
 
-def _offload_rows(family: str, plain: Any, config: BenchConfig, balloon: Balloon, dtype: str,
-                  caps: tuple[int, ...], rows: tuple[tuple[str, dict[str, Any]], ...], out: Path | None) -> None:
-    """This pack's node on ``plain`` at each cap; with ``out``, one step of ``PROFILED_MODE`` at the smallest
-    cap is traced."""
-    for cap in caps:
-        for mode, settings in rows:
-            profile = StepProfile(config, out) if out is not None and (cap, mode) == (caps[-1], PROFILED_MODE) else None
-            at_step = {} if profile is None else {0: profile.start, 1: profile.stop}
-            row = sample_row(Row(family, "this pack", mode, dtype, cap), offload_node(plain, settings), config,
-                             balloon, at_step)
-            if profile is not None and not row.skipped:
-                emit("trace", {"mode": mode, "cap_bytes": cap, **profile.write()})
+def offload_row(row: Row, plain: Any, settings: dict[str, Any], config: BenchConfig, balloon: Balloon,
+                out: Path | None = None) -> None:
+    """This pack's node on ``plain``; with ``out``, the first timed step is traced."""
+    if out is None:
+        sample_row(row, offload_node(plain, settings), config, balloon)
+        return
+    name = "step_trace_" + re.sub(r"[^a-z0-9]+", "_", f"{row.family} {row.mode}".lower()).strip("_") + ".json.gz"
+    profile = StepProfile(config, out, name)
+    sample_row(row, offload_node(plain, settings), config, balloon, {0: profile.start, 1: profile.stop})
+    if not row.skipped:
+        emit("trace", {"family": row.family, "mode": row.mode, "cap_bytes": row.cap_bytes, **profile.write()})
+
+
+def _offload_rows(family: str, plain: Any, config: BenchConfig, balloon: Balloon, dtype: str, cap: int,
+                  rows: tuple[tuple[str, dict[str, Any]], ...], out: Path | None) -> None:
+    """This pack's node on ``plain`` at ``cap``, one row per mode; with ``out``, ``PROFILED_MODE`` is traced."""
+    for mode, settings in rows:
+        offload_row(Row(family, "this pack", mode, dtype, cap), plain, settings, config, balloon,
+                    out if mode == PROFILED_MODE else None)
 
 
 def pageable_row(family: str, plain: Any, config: BenchConfig, balloon: Balloon, cap: int) -> None:
@@ -625,17 +647,52 @@ def shipped_family(config: BenchConfig, out: Path) -> None:
     plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
     emit("fact", {"model_bytes": plain.model_size()})
     system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
-    _comfy_rows("shipped", system, plain, config, balloon, "bf16", config.caps_bytes)
     sample_row(Row("shipped", "all resident", "resident", "bf16", None), plain, config, balloon)
-    _offload_rows("shipped", plain, config, balloon, "bf16", config.caps_bytes, OFFLOAD_ROWS, out)
-    pageable_row("shipped", plain, config, balloon, min(config.caps_bytes))
+    smallest = min(config.caps_bytes)
+    for cap in sorted(config.caps_bytes):  # the smallest card first: where the systems differ most
+        _comfy_rows("shipped", system, plain, config, balloon, "bf16", (cap,))
+        _offload_rows("shipped", plain, config, balloon, "bf16", cap, OFFLOAD_ROWS, out if cap == smallest else None)
+    pageable_row("shipped", plain, config, balloon, smallest)
+
+
+def lora_rows(family: str, config: BenchConfig, out: Path) -> None:
+    """A third of the blocks, every one streamed, with and without a LoRA on every attention projection:
+    what the LoRA's temporaries cost the overlap under this process's allocator (``lora``: ComfyUI's
+    default, cudaMallocAsync on cu130; ``lora-native``: torch's own, as ``--disable-cuda-malloc``)."""
+    start_comfyui(config, dynamic=True)
+    import comfy.sd
+
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "torch's native allocator"
+    config = replace(config, blocks=max(1, config.blocks // 3))
+    plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
+    dtype = f"bf16, {config.blocks} blocks"
+    settings = {"residency": "stream_all", "prefetch": 1}
+    offload_row(Row(family, "this pack", "stream_all p1", dtype, None, note=allocator), plain, settings, config,
+                Balloon(config.device), out)
+    with_lora = comfy.sd.load_lora_for_models(plain, None, attention_lora(config), 0.8, 0)[0]
+    note = f"{allocator}; LoRA rank {config.lora_rank} on {len(with_lora.patches)} weights"
+    offload_row(Row(family, "this pack", "stream_all p1 + LoRA", dtype, None, note=note), with_lora, settings,
+                config, Balloon(config.device), out)
+
+
+def attention_lora(config: BenchConfig) -> dict[str, torch.Tensor]:
+    """A LoRA of ``config.lora_rank`` on every attention projection of the blocks, ComfyUI's generic keys."""
+    generator = torch.Generator().manual_seed(3)
+    lora = {}
+    for name, shape in comfy_qwen_shapes(config).items():
+        if name.startswith("transformer_blocks.") and ".attn." in name and name.endswith(".weight") and len(shape) == 2:
+            stem = "diffusion_model." + name.removesuffix(".weight")
+            lora[f"{stem}.lora_up.weight"] = (torch.randn(shape[0], config.lora_rank, generator=generator) * 0.01).bfloat16()
+            lora[f"{stem}.lora_down.weight"] = (torch.randn(config.lora_rank, shape[1], generator=generator) * 0.01).bfloat16()
+    return lora
 
 
 def legacy_family(config: BenchConfig, out: Path) -> None:
     """ComfyUI with --disable-dynamic-vram: its legacy partial load (pinned, async offload streams)."""
     start_comfyui(config, dynamic=False)
     model = load_comfy_model(config, torch.bfloat16, dynamic_patcher=False)
-    _comfy_rows("legacy", "ComfyUI legacy", model, config, Balloon(config.device), "bf16", config.caps_bytes)
+    caps = (min(config.caps_bytes),)  # 40 GiB was measured on the H200 already (the whole model fits)
+    _comfy_rows("legacy", "ComfyUI legacy", model, config, Balloon(config.device), "bf16", caps)
 
 
 def fp8_family(config: BenchConfig, out: Path) -> None:
@@ -646,7 +703,8 @@ def fp8_family(config: BenchConfig, out: Path) -> None:
     system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
     _comfy_rows("fp8", system, plain, config, balloon, "fp8", config.fp8_caps_bytes)
     sample_row(Row("fp8", "all resident", "resident", "fp8", None), plain, config, balloon)
-    _offload_rows("fp8", plain, config, balloon, "fp8", config.fp8_caps_bytes, OFFLOAD_ROWS[:2], None)
+    for cap in config.fp8_caps_bytes:
+        _offload_rows("fp8", plain, config, balloon, "fp8", cap, OFFLOAD_ROWS[:2], None)
 
 
 # --- baselines: bare forwards outside ComfyUI's sampler ----------------------------------------
@@ -734,7 +792,7 @@ def _diffusers_missing() -> str | None:
 
 
 def diffusers_rows(config: BenchConfig, balloon: Balloon, cap: int) -> None:
-    for use_stream in (False, True):
+    for use_stream in (True, False):  # use_stream=False was measured on the H200 already
         row = Row("baselines", "diffusers", f"group offload, use_stream={use_stream}", "bf16", cap)
         row.skipped = _diffusers_missing() or (None if config.device.type == "cuda" or not use_stream
                                                else "use_stream needs CUDA streams")
@@ -754,13 +812,15 @@ def diffusers_rows(config: BenchConfig, balloon: Balloon, cap: int) -> None:
 def baselines_family(config: BenchConfig, out: Path) -> None:
     start_comfyui(config, dynamic=False)
     balloon, cap = Balloon(config.device), min(config.caps_bytes)
-    copy_back_row(config, balloon, cap)
-    gc.collect()
     diffusers_rows(config, balloon, cap)
+    gc.collect()
+    copy_back_row(config, balloon, cap)
 
 
 WORKERS: dict[str, Callable[[BenchConfig, Path], None]] = {
-    "shipped": shipped_family, "legacy": legacy_family, "fp8": fp8_family, "baselines": baselines_family}
+    "shipped": shipped_family, "lora": lambda config, out: lora_rows("lora", config, out),
+    "lora-native": lambda config, out: lora_rows("lora-native", config, out), "fp8": fp8_family,
+    "baselines": baselines_family, "legacy": legacy_family}
 
 
 # --------------------------------------------------------------------------------------------
@@ -849,13 +909,13 @@ def results_markdown(rows: list[dict[str, Any]], facts: dict[str, Any], traces: 
              f"ComfyUI started with: {facts.get('patcher', '?')}; allocator {facts.get('allocator') or 'default'}."]
     for trace in traces:
         if trace.get("gpu_events"):
-            lines.append(f"Profiled step ({trace['mode']}, cap {_cap(trace['cap_bytes'])}, `{trace['trace']}`): "
+            lines.append(f"Profiled step ({trace['family']}: {trace['mode']}, cap {_cap(trace['cap_bytes'])}, `{trace['trace']}`): "
                          f"GPU span {trace['span_ms']:.0f} ms, kernels {trace['kernel_ms']:.0f} ms, "
                          f"host-to-device copies {trace['copy_ms']:.0f} ms; copies and kernels overlapped during "
                          f"{100 * trace['overlap_of_step']:.0f} % of the step ({fmt(trace['copy_hidden'] and 100 * trace['copy_hidden'], 0)} % "
                          f"of the copy time hidden); GPU idle {100 * trace['gpu_idle_of_step']:.0f} % of the step.")
         else:
-            lines.append(f"Profiled step ({trace['mode']}): `{trace['trace']}` (no GPU events on a CPU).")
+            lines.append(f"Profiled step ({trace['family']}: {trace['mode']}): `{trace['trace']}` (no GPU events on a CPU).")
     return "\n".join(lines) + "\n\n" + markdown_table(headers, table)
 
 
@@ -926,7 +986,7 @@ def main(argv: list[str]) -> int:
             families[family] = {"rows": [], "facts": {}, "traces": [], "error": "skipped: the time budget is spent"}
             continue
         share = left if args.smoke else min(left, FAMILY_SHARE[family] * args.budget_s)
-        env = {} if family == "baselines" else comfy_env
+        env = {} if family in ("baselines", "lora-native") else comfy_env
         families[family] = run_family(family, config, share, args.out, env)
     return write_results(config, families, time.monotonic() - started, args.out)
 

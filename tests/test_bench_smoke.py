@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_benchmark.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -23,7 +24,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
                           timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert done.returncode == 0, done.stderr[-4000:]
     assert (out / "gpu_results.md").read_text().startswith("no GPU: --smoke")
-    assert done.stdout.count("RESULT ") >= 19, "one RESULT line per row, as each row ends"
+    assert done.stdout.count("RESULT ") >= 22, "one RESULT line per row, as each row ends"
     return json.loads((out / "gpu_results.json").read_text()), out
 
 
@@ -36,8 +37,10 @@ def test_every_row_ran(smoke):
     pack = _rows(results, "this pack")
     assert {(r["dtype"], r["mode"]) for r in pack} == {
         ("bf16", "auto"), ("bf16", "stream_all p1"), ("bf16", "stream_all p2"), ("bf16", "stream_all p1, pins refused"),
-        ("fp8", "auto"), ("fp8", "stream_all p1")}
-    assert len(_rows(results, "ComfyUI legacy")) == 5  # newest ComfyUI's own rows run legacy without CUDA: 2 + 2 + 1
+        ("fp8", "auto"), ("fp8", "stream_all p1"), ("bf16, 1 blocks", "stream_all p1"),
+        ("bf16, 1 blocks", "stream_all p1 + LoRA")}
+    assert {r["family"] for r in pack if r["mode"].endswith("LoRA")} == {"lora", "lora-native"}
+    assert len(_rows(results, "ComfyUI legacy")) == 4  # newest ComfyUI's own rows run legacy without CUDA: 2 + 1 + 1
     assert {r["dtype"] for r in _rows(results, "all resident")} == {"bf16", "fp8"}
     for row in results["rows"]:
         if row["system"] != "diffusers":
@@ -51,7 +54,8 @@ def test_the_ledgers_read_as_the_engine_promises(smoke):
     for row in _rows(results, "this pack"):
         assert row["d2h_bytes"] == 0
         if row["mode"].startswith("stream_all"):
-            assert row["copies"] == blocks * row["calls_per_step"], "one copy per streamed group per call"
+            groups = blocks // 3 if row["family"].startswith("lora") else blocks  # a third of the blocks
+            assert row["copies"] == groups * row["calls_per_step"], "one copy per streamed group per call"
             assert row["streamed_bytes"] > 0
     copy_back = _rows(results, "copy-back")[0]
     assert copy_back["d2h_bytes"] == copy_back["streamed_bytes"] > 0
@@ -60,9 +64,12 @@ def test_the_ledgers_read_as_the_engine_promises(smoke):
 def test_chart_and_trace_are_written(smoke):
     results, out = smoke
     assert results["chart"] and (out / "gpu_results.png").read_bytes().startswith(b"\x89PNG")
-    (trace,) = results["traces"]
-    assert trace["mode"] == "stream_all p1"
-    assert "traceEvents" in json.loads(gzip.decompress((out / trace["trace"]).read_bytes()))
+    traces = {(t["family"], t["mode"]): t for t in results["traces"]}
+    assert set(traces) == {("shipped", "stream_all p1"), *((family, mode) for family in ("lora", "lora-native")
+                                                            for mode in ("stream_all p1", "stream_all p1 + LoRA"))}
+    for trace in traces.values():
+        assert "traceEvents" in json.loads(gzip.decompress((out / trace["trace"]).read_bytes()))
+    assert len({t["trace"] for t in traces.values()}) == len(traces), "one file per profiled row"
 
 
 def test_overlap_is_measured_from_the_trace_intervals():
@@ -88,3 +95,15 @@ def test_the_checkpoint_has_every_weight_with_dynamic_vram_switched_on(comfy, mo
     assert comfy_qwen_shapes(config) == eager
     assert {"img_in.weight", "transformer_blocks.1.attn.to_q.weight"} <= set(eager)
     assert memory_management.aimdo_enabled, "the switch is left as it was"
+
+
+def test_a_row_stops_past_its_limit_once_a_timed_step_is_in():
+    from gpu_benchmark import RowOverTime, StepClock
+
+    ran = []
+    clock = StepClock(torch.device("cpu"), {0: lambda: ran.append(0), 1: lambda: ran.append(1)}, limit_s=0.0)
+    clock(0)  # the warm-up is always kept
+    with pytest.raises(RowOverTime):
+        clock(1)
+    assert ran == [0, 1], "the step's callback (a profiler's stop) runs before the row stops"
+    assert len(clock.steps) == 2
