@@ -65,7 +65,7 @@ def test_chart_and_trace_are_written(smoke):
     results, out = smoke
     assert results["chart"] and (out / "gpu_results.png").read_bytes().startswith(b"\x89PNG")
     traces = {(t["family"], t["mode"]): t for t in results["traces"]}
-    assert set(traces) == {("shipped", "stream_all p1"), *((family, mode) for family in ("lora", "lora-native")
+    assert set(traces) == {("pack", "stream_all p1"), *((family, mode) for family in ("lora", "lora-native")
                                                             for mode in ("stream_all p1", "stream_all p1 + LoRA"))}
     for trace in traces.values():
         assert "traceEvents" in json.loads(gzip.decompress((out / trace["trace"]).read_bytes()))
