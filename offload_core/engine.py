@@ -17,11 +17,11 @@ proves it on every test run):
 
 - ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream
   waits on it before the group runs;
-- ``self._released[slab]``  recorded on the compute stream when the group that read the slab has
-  run; the copy stream waits on it before it overwrites the slab;
+- a slab's "released" event  recorded on the compute stream when the group that read the slab has
+  run (``SlabPool.release``); the copy stream waits on it before it overwrites the slab (``take``);
 - fresh device memory  comes from the compute stream's pool of the caching allocator, where
   queued kernels may still read it: the copy stream waits for the compute stream (``wait_stream``)
-  before its first copy into it;
+  before its first copy into it (``SlabPool.allocate``);
 - dropping device memory  the compute stream waits for the copy stream first, so the allocator
   reuses it only after the copies into it; unpinning a mirror waits for the copy stream on the host.
 """
@@ -32,7 +32,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, backed_off_plan, device_footprint, plan_residency, planned_slabs
 from .runtime import CudaRuntime, Runtime
+from .slabs import SlabPool
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,7 @@ class GroupOffloadHandle:
             if progress is not None:
                 progress(len(self.groups), len(chunks))
         self._inference = any(g.inference for g in self.groups)  # the kind of device buffers to make
-        self._slab_bytes = 0
-        self._slabs_made = 0
-        self._free_slabs: list[torch.Tensor] = []
-        self._released: dict[int, Any] = {}  # slab data_ptr -> event
+        self._slabs = SlabPool(config.onload_device, runtime, self._copy_stream, self._inference)
         self._active: set[int] = set()
         self._trace: list[int] = []
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
@@ -128,7 +126,7 @@ class GroupOffloadHandle:
             "resident_groups": len(resident),
             "resident_bytes": sum(g.nbytes for g in resident),
             "streamed_bytes_per_pass": sum(g.nbytes for g in self.groups if not g.resident),
-            "slab_bytes": self._slab_bytes * self._slabs_made,
+            "slab_bytes": self._slabs.held_bytes(),
             "host_bytes": sum(g.nbytes for g in self.groups),
             "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned),
             "pin_seconds": self.pin_seconds,
@@ -197,7 +195,7 @@ class GroupOffloadHandle:
     def _use_plan(self, resident: list[bool]) -> None:
         for group, stays in zip(self.groups, resident):
             group.resident = stays
-        self._slab_bytes = max((g.nbytes for g in self.groups if not g.resident), default=0)
+        self._slabs.slab_bytes = max((g.nbytes for g in self.groups if not g.resident), default=0)
         self._lookahead = None if self._lookahead is None else self._plan_lookahead()
         self.pin_streamed()
 
@@ -237,8 +235,8 @@ class GroupOffloadHandle:
         and what the onload patch holds."""
         resident = [g.resident for g in self.groups]
         planned = device_footprint([g.nbytes for g in self.groups], resident, self.prefetch)
-        extra_slabs = self._slabs_made - planned_slabs(resident.count(False), self.prefetch)
-        return planned + max(0, extra_slabs) * self._slab_bytes + self._patch_bytes
+        extra_slabs = self._slabs.made - planned_slabs(resident.count(False), self.prefetch)
+        return planned + max(0, extra_slabs) * self._slabs.slab_bytes + self._patch_bytes
 
     def set_onload_patch(self, patch: PatchFn | None, names: Iterable[str] = (), device_bytes: int = 0) -> None:
         """Apply ``patch`` to the named tensors on the device after every onload (mirrors stay pristine).
@@ -271,7 +269,7 @@ class GroupOffloadHandle:
 
     def holds_device_memory(self) -> bool:
         """Whether a group or a streaming buffer is on the device (with prefetch 0 a free buffer stays between runs)."""
-        return self._slabs_made > 0 or any(g.onloaded for g in self.groups)
+        return self._slabs.made > 0 or any(g.onloaded for g in self.groups)
 
     def release_device_memory(self) -> None:
         """Offload every group, resident ones too, and free the slabs; mirrors stay as they are."""
@@ -303,9 +301,7 @@ class GroupOffloadHandle:
 
     def _forget_slabs(self) -> None:
         self._active.clear()
-        self._free_slabs.clear()
-        self._released.clear()
-        self._slabs_made = 0
+        self._slabs.forget()
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -425,18 +421,15 @@ class GroupOffloadHandle:
 
     def _prefetch(self, group: ModuleGroup) -> bool:
         """Start copying ``group`` ahead of its use, if a slab is free; never evicts."""
-        if not self._free_slabs and self._slabs_made >= self.prefetch + 1:
+        if not self._slabs.can_take(self.prefetch):
             return False
         self._onload(group, prefetched=True)
         return True
 
     def _onload(self, group: ModuleGroup, prefetched: bool) -> None:
-        slab = self._allocate(group.nbytes) if group.resident else self._take_slab()
+        slab = self._slabs.allocate(group.nbytes) if group.resident else self._take_slab()
         try:
             if self._runtime is not None:
-                released = self._released.pop(slab.data_ptr(), None)
-                if released is not None:
-                    self._copy_stream.wait_event(released)  # the last group that read this slab has run
                 with self._runtime.use_stream(self._copy_stream):
                     self._copy_into(group, slab, non_blocking=True)
                     group.ready = self._runtime.new_event()
@@ -457,7 +450,7 @@ class GroupOffloadHandle:
         self._finish_copies()  # the slab may be reused or freed only after the copy into it
         group.offload_()
         if not group.resident:
-            self._free_slabs.append(slab)
+            self._slabs.put_back(slab)
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
         if self._inference and not torch.is_inference_mode_enabled():
@@ -481,36 +474,15 @@ class GroupOffloadHandle:
         group.ready = None
 
     def _offload(self, group: ModuleGroup) -> None:
-        slab = group.offload_()
-        if self._runtime is not None:
-            released = self._runtime.new_event()
-            released.record(self._runtime.current_stream())
-            self._released[slab.data_ptr()] = released
-        self._free_slabs.append(slab)
+        self._slabs.release(group.offload_())  # its "released" event: recorded on the compute stream
 
     def _take_slab(self) -> torch.Tensor:
-        if self._free_slabs:
-            return self._free_slabs.pop()
-        if self._slabs_made >= self.prefetch + 1:
+        if not self._slabs.can_take(self.prefetch):
             # Out of order: a prefetched group that has not run yet gives its slab up.
             waiting = [g for g in self.groups if g.onloaded and not g.resident and g.index not in self._active]
             if waiting:
                 self._offload(waiting[0])
-                return self._free_slabs.pop()
-        # (or more groups running at once than slabs: re-entrant blocks)
-        slab = self._allocate(self._slab_bytes)
-        self._slabs_made += 1  # counted once made: an allocation may run out of memory
-        return slab
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        """Fresh device memory for the copy stream to fill, of the parameters' kind (see ``ModuleGroup``)."""
-        with torch.inference_mode(self._inference):
-            if self._runtime is None:
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.config.onload_device)
-            buffer = self._runtime.empty(nbytes)
-        # It comes from the compute stream's pool: kernels queued there may still read this memory.
-        self._copy_stream.wait_stream(self._runtime.current_stream())
-        return buffer
+        return self._slabs.take()  # the copy stream waits for the slab's release, or for fresh memory
 
     def _choose_pinner(self, pinner: Pinner | None) -> Pinner | None:
         """A given pinner decides for itself (it may know a host whose onload device is not CUDA);

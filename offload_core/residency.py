@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .slabs import slabs_for
+
 #: Resident sums closer than ``PRECISION × budget ÷ groups`` are not told apart (keeps the search small).
 PRECISION = 0.01
 #: Share of the budget the plan may leave unused to spread the streamed groups more evenly.
@@ -68,8 +70,8 @@ def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]
 
 
 def planned_slabs(streamed_groups: int, prefetch: int) -> int:
-    """Slabs the streamed groups cycle through: one running, ``prefetch`` being filled."""
-    return min(prefetch + 1, streamed_groups)
+    """Slabs the streamed groups cycle through: what ``prefetch`` needs, at most one per streamed group."""
+    return min(slabs_for(prefetch), streamed_groups)
 
 
 def device_footprint(group_bytes: list[int], resident: list[bool], prefetch: int) -> int:
@@ -87,7 +89,7 @@ def backed_off_plan(group_bytes: list[int], resident: list[bool], prefetch: int)
     planner picks the groups that stay, so the streamed ones stay spread out), every group streaming
     when none fits in that half; once every group streams, prefetch drops to 1. Halving reaches the
     bottom in a few tries however many groups are resident. A plan is taken only if it holds less:
-    streaming a small group alone needs one buffer of its size, streaming all needs ``prefetch + 1``
+    streaming a small group alone needs one buffer of its size, streaming all needs ``slabs_for(prefetch)``
     of the largest.
     """
     held = device_footprint(group_bytes, resident, prefetch)
