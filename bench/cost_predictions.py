@@ -1,7 +1,7 @@
-"""Print the cost model's predictions (offload_core/cost_model.py) as the table of BENCHMARKS.md.
+"""Print the cost model's predictions (bench/cost_model.py) as the table of BENCHMARKS.md.
 
 ``python bench/cost_predictions.py [--write]``; ``--write`` replaces the "Cost model" section of
-BENCHMARKS.md.  Assumptions and their sources are in the docstring of ``offload_core.cost_model``.
+BENCHMARKS.md.  Assumptions and their sources are beside each figure in ``cost_model.py``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from offload_core.cost_model import GB, Scenario, implied_bandwidths, pack_scenarios, seed_scenarios  # noqa: E402
+from cost_model import GB, Scenario, implied_bandwidths, pack_scenarios, seed_scenarios  # noqa: E402
 from reporting import fmt, markdown_table, replace_section  # noqa: E402
 
 SECTION = "Cost model"
@@ -40,14 +40,14 @@ def predictions_markdown() -> str:
 
 
 def section_body() -> str:
-    return f"""Predictions of `offload_core/cost_model.py` for Qwen-Image (60 blocks, bf16, 40.8 GB) at 1664×928,
+    return f"""Predictions of `bench/cost_model.py` for Qwen-Image (60 blocks, bf16, 40.8 GB) at 1664×928,
 set against the seed's measured figures. Command: `{COMMAND}`, {datetime.date.today().isoformat()}.
 The seed (diffusers) runs true CFG as two passes of batch 1 per step; ComfyUI batches cond and uncond
 into one pass of batch 2, so the pack's rows stream the weights once per step. Compute is at 60 % of
 the bf16 peak; A100: 312 TFLOPS, 25 GB/s host link (pinned, and assumed for pageable host-to-device:
 no primary figure exists), 1.4 GB/s device-to-host into pageable memory; H200: 989 TFLOPS, 35 GB/s
 pinned (the H100 measurement), 2.8 GB/s pageable. Residency: cap − 4 GiB reserve − weights outside the
-blocks − 2 streaming slabs. Sources and reasoning: the docstring of `offload_core/cost_model.py`.
+blocks − 2 streaming slabs. Sources and reasoning: beside each figure in `bench/cost_model.py`.
 
 {predictions_markdown()}
 

@@ -50,8 +50,8 @@ from torch import nn  # noqa: E402
 
 import hook_overhead  # noqa: E402
 from copy_back import CopyBackOffload  # noqa: E402
+from cost_model import pass_seconds  # noqa: E402
 from host_memory import peak_rss_bytes, reset_peak, rss_bytes  # noqa: E402
-from offload_core.cost_model import pass_seconds  # noqa: E402
 from offload_core.mirror import ALIGNMENT  # noqa: E402
 from reporting import fmt, markdown_table, replace_section  # noqa: E402
 

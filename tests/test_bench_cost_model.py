@@ -1,11 +1,16 @@
-"""The cost model: Qwen-Image's shape, the seed's two figures, and the orderings a model must keep."""
+"""The cost model (``bench/cost_model.py``): Qwen-Image's shape, the seed's two figures, and the orderings a
+model must keep."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
-from offload_core.cost_model import (
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
+
+from cost_model import (  # noqa: E402
     A100_40G,
     DIFFUSERS_TRUE_CFG,
     H200,

@@ -1,48 +1,17 @@
 """Seconds per sampling step of a group-offloaded diffusion transformer: a bandwidth/throughput model.
 
-Pure Python (no torch, no ComfyUI).  One pass of the transformer costs
-
-- ``compute  = FLOPs of the pass / (bf16 peak × utilization)``;
-- ``transfer = streamed bytes / host-to-device bandwidth`` (+ ``copied-back bytes / device-to-host
-  bandwidth`` for the copy-back baseline);
-- synchronous onloads (this pack at ``prefetch=0``, diffusers with ``use_stream=False``):
-  ``compute + transfer``; prefetching on a side stream: ``max(compute, transfer)``.
-
-A step is ``passes ×`` that.  ComfyUI's sampler batches cond and uncond into one pass of batch 2, so
-the weights cross the bus once per step; diffusers' ``QwenImagePipeline`` with ``true_cfg_scale > 1``
-and a negative prompt (the seed's script) runs two passes of batch 1.
-
-Assumptions and their sources ("peers.md" is the project's survey, ``/work/shared/notes/peers.md``):
-
-- Qwen-Image's shape is read from ``transformer_qwenimage.py`` / ComfyUI's
-  ``comfy/ldm/qwen_image/model.py``: 60 blocks, width 3072 (24 heads × 128), FFN 12288, text width
-  3584, 2×2 patches on the 8× VAE latent (so image tokens = (W/16)·(H/16), 6032 at 1664×928).
-  :meth:`DiT.block_params` reproduces ComfyUI's 339,831,296 parameters per block exactly.
-- 128 text tokens (the seed's prompt is ≈100 Qwen2.5-VL tokens after the template is dropped); the
-  text changes a pass by < 2 %.
-- Utilization 60 % of the bf16 dense peak for the whole pass (peers.md §4 uses "~60 %").
-- A100 bf16 dense peak 312 TFLOPS (peers.md §4); H200 989 TFLOPS (NVIDIA H200 datasheet, dense; not
-  in peers.md).
-- A100 host link ≈25 GB/s measured, PCIe Gen4 x16 (peers.md §4, bam #54), used for pinned copies.
-- A100 device-to-host into pageable memory 1.4 GB/s (peers.md §1/§4, pytorch #138018): the copy-back.
-- A100 host-to-device from *pageable* memory: **no primary figure exists** (peers.md, "could not
-  verify").  It is taken equal to the link rate, 25 GB/s.  The seed itself requires it: 4.8 s for
-  two passes leaves ≤ 3.6 s for 81.7 GB, i.e. ≥ 22 GB/s (:func:`implied_bandwidths`).  The RTX 5090
-  pageable/pinned ratio of peers.md (9.6/32.4) would give 7.4 GB/s and 12 s/step, which the seed
-  contradicts.
-- H200 host-to-device pinned 35 GB/s: the one published H100 measurement (peers.md §4, nvbandwidth
-  #24; same PCIe Gen5 x16 host link, 64 GB/s line rate).  Pageable ≈2.8 GB/s both ways (peers.md §4,
-  sglang #32032, "H200 offload").
-- Device memory for residency is the cap minus a reserve (activations at 1664×928 batch 2, the CUDA
-  context, ComfyUI's inference reserve; 4 GiB by default, an estimate that ``gpu_benchmark.py``
-  measures), minus the weights outside the blocks and the ``prefetch + 1`` streaming slabs, exactly
-  as the pack's ``auto`` residency plans it.
+A pass costs ``compute = FLOPs / (bf16 peak × utilization)`` and ``transfer = streamed bytes / host-to-device
+bandwidth`` (+ copied-back bytes / device-to-host bandwidth for the copy-back baseline): their sum when onloads
+are synchronous, the larger of the two when they are prefetched on a side stream; a step is ``passes ×`` that.
+Each figure's source is noted where it is defined ("peers.md": the project's survey of peer projects, §4).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
+
+from offload_core.slabs import slabs_for
 
 GB = 1e9
 GIB = 2**30
@@ -58,18 +27,24 @@ class Gpu:
     h2d_pinned_gbps: float
     h2d_pageable_gbps: float
     d2h_pageable_gbps: float
-    utilization: float = 0.6
+    utilization: float = 0.6  # of the bf16 dense peak, for the whole pass (peers.md)
 
 
+# 312 TFLOPS dense (peers.md); pinned: the PCIe Gen4 x16 link as measured (bam #54); pageable host-to-device
+# taken equal to it, as no primary figure exists and the seed needs ≥ 22 GB/s (``implied_bandwidths``);
+# device-to-host into pageable memory from pytorch #138018.
 A100_40G = Gpu("A100 40G", bf16_tflops=312, memory_bytes=40 * GIB,
                h2d_pinned_gbps=25.0, h2d_pageable_gbps=25.0, d2h_pageable_gbps=1.4)
+# 989 TFLOPS dense (NVIDIA's datasheet); pinned: the one published H100 measurement on the same PCIe Gen5 x16 link
+# (nvbandwidth #24); pageable both ways: "H200 offload" (sglang #32032).
 H200 = Gpu("H200", bf16_tflops=989, memory_bytes=141 * GB,
            h2d_pinned_gbps=35.0, h2d_pageable_gbps=2.8, d2h_pageable_gbps=2.8)
 
 
 @dataclass(frozen=True)
 class DiT:
-    """A double-stream (MMDiT) transformer; the defaults are Qwen-Image's."""
+    """A double-stream (MMDiT) transformer; the defaults are Qwen-Image's, as ComfyUI's
+    ``comfy/ldm/qwen_image/model.py`` builds it (``block_params`` gives its 339,831,296 per block)."""
 
     blocks: int = 60
     dim: int = 3072
@@ -136,7 +111,7 @@ class Workload:
 
     width: int = 1664
     height: int = 928
-    text_tokens: int = 128
+    text_tokens: int = 128  # the seed's prompt is ≈100 tokens; the text changes a pass by < 2 %
     cfg_batched: bool = True  # ComfyUI: one pass of batch 2; False: two passes of batch 1 (diffusers true CFG)
 
     @property
@@ -213,8 +188,10 @@ def predict(gpu: Gpu, plan: Plan, workload: Workload = COMFYUI_CFG, model: DiT =
 
 def auto_resident_blocks(cap_bytes: float, model: DiT = QWEN_IMAGE, reserve_bytes: float = 4 * GIB,
                          prefetch: int = 1) -> int:
-    """Blocks the pack's ``auto`` residency keeps on a device capped at ``cap_bytes``."""
-    budget = cap_bytes - reserve_bytes - model.other_bytes - (prefetch + 1) * model.block_bytes
+    """Blocks the pack's ``auto`` residency keeps on a device capped at ``cap_bytes``: what is left after the
+    reserve (activations, the CUDA context, ComfyUI's own: an estimate ``gpu_benchmark.py`` measures), the
+    weights outside the blocks and the streaming slabs."""
+    budget = cap_bytes - reserve_bytes - model.other_bytes - slabs_for(prefetch) * model.block_bytes
     return max(0, min(model.blocks, int(budget // model.block_bytes)))
 
 
