@@ -497,10 +497,17 @@ def remove_engine(base_model: nn.Module) -> None:
 _RUN_ACTIVATIONS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
+# ComfyUI's sampler runs cond and uncond as one call only while 1.5 × that call's estimated memory is
+# free (``samplers._calc_cond_batch``); with less, each streamed group is copied once per half.
+BATCH_ROOM = 1.5
+
+
 def _inference_reserve(base_model: nn.Module) -> float:
-    """Device memory ``auto`` leaves free: what load_models_gpu keeps free for the sampling run (the
-    run's activations and ComfyUI's extra reserve), never less than its minimum inference reserve."""
-    return max(mm.minimum_inference_memory(), _RUN_ACTIVATIONS.get(base_model, 0) + mm.extra_reserved_memory())
+    """Device memory ``auto`` leaves free: the room ComfyUI's sampler asks for before it batches the
+    run's conds (``BATCH_ROOM`` × the run's activations) and its extra reserve, never less than its
+    minimum inference reserve. Batching comes before residency, as under Dynamic VRAM."""
+    activations = BATCH_ROOM * _RUN_ACTIVATIONS.get(base_model, 0)
+    return max(mm.minimum_inference_memory(), activations + mm.extra_reserved_memory())
 
 
 def _plan_for_the_run(executor, patcher: GroupOffloadPatcher, noise_shape, conds, *args, **kwargs):

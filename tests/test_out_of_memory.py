@@ -107,11 +107,12 @@ class Card:
         mm.unload_all_models()
 
     def reserve(self, latent_side: int) -> float:
-        """What load_models_gpu keeps free for a run on this latent: ComfyUI's estimate (cond and uncond batched)."""
+        """What auto keeps free for a run on this latent: the room ComfyUI's sampler asks before it runs cond
+        and uncond as one call (1.5 × its estimate for them, samplers._calc_cond_batch) and its extra reserve."""
         import comfy.model_management as mm
 
         activations = self.model.model.memory_required([2, 16, latent_side, latent_side])
-        return max(mm.minimum_inference_memory(), activations + mm.extra_reserved_memory())
+        return max(mm.minimum_inference_memory(), 1.5 * activations + mm.extra_reserved_memory())
 
     def sample(self, model, latent_side: int) -> torch.Tensor:
         return run_txt2img(model, seed=10, steps=1, width=8 * latent_side, height=8 * latent_side).latent
