@@ -51,12 +51,19 @@ blocks − 2 streaming slabs. Sources and reasoning: beside each figure in `benc
 
 {predictions_markdown()}
 
-No GPU measurement stands behind the pack's rows yet: they are what `bench/gpu_benchmark.py` should
-find (its table has a cost-model column computed from the bandwidth and compute it measures). The A100
-rows take its memory as 40 GiB; torch reports ≈39.4 GiB usable, one block less resident (+0 s: the
-step stays compute-bound).
+The A100 rows take its memory as 40 GiB; torch reports ≈39.4 GiB usable, one block less resident (+0 s:
+the step stays compute-bound). The H200 rows against the H200 runs of 2026-12-04 (GPU section): all
+resident measured 0.558 s/step, not 0.38 (ComfyUI's Qwen-Image at this size reaches ≈41 % of the bf16 peak,
+not 60 %); `stream_all` prefetch 1 at 24 GiB 0.837 s, not 1.17 (pinned host-to-device runs at 55 GB/s, not
+the 35 assumed; the step is then the copies, 0.74 s, plus the part of compute they do not hide); `auto` at
+40 GiB 0.575 s (compute-bound, 1.03 × all resident, as predicted in kind); `auto` at 24 GiB 0.742 s against
+0.60 predicted — measured before `auto` left ComfyUI room to batch cond and uncond, so as two calls with
+39.4 GB streamed instead of the 21.1 in one call the model assumes. Pageable host-to-device measured 5.8–7.9
+GB/s (the model's pageable-equals-pinned assumption is 7–10× too kind) and device-to-host into fresh pageable
+memory 1.2–1.3 GB/s; the copy-back row, 33.8 s/step, is what `pass_seconds` gives from those measured rates
+(41 s) within −18 %.
 
-Against what was measured: only the CPU run exists. Its `cost model × plain` column applies the same
+Against the CPU run: its `cost model × plain` column applies the same
 `pass_seconds` (synchronous, as copies are on a CPU) to the CPU's own compute and copy rates; it
 ranks the modes as measured (copy-back ≫ stream_all > partial residency > plain); the pack's ratios
 land within about ±20 % of the measured ones, the copy-back's ≈70 % too high, because one 256 MB
