@@ -1,7 +1,7 @@
 """Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
 from .backoff import OutOfMemoryAfterBackOff, call_backing_off
 from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
-from .group import check_offloadable
+from .group import check_offloadable, split_into_groups
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
 from .subclass import UnpackableTensorError, flatten, packed_nbytes
@@ -23,4 +23,5 @@ __all__ = [
     "handle_of",
     "packed_nbytes",
     "plan_residency",
+    "split_into_groups",
 ]

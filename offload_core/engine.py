@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .group import FillFn, ModuleGroup, check_unshared
+from .group import FillFn, ModuleGroup, check_unshared, split_into_groups
 from .ledger import TransferLedger
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, backed_off_plan, device_footprint, plan_residency, planned_slabs
@@ -56,11 +56,12 @@ _MANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    """What the handle is built for; which groups stay resident is not in it (``set_resident_bytes`` re-plans)."""
+
     onload_device: torch.device
     offload_device: torch.device
     blocks_per_group: int = 1
     prefetch: int = 1
-    resident_bytes: int = 0
     pin_memory: bool = True
     entry_methods: tuple[str, ...] = ("forward",)
 
@@ -69,8 +70,6 @@ class OffloadConfig:
             raise ValueError(f"blocks_per_group must be an integer >= 1, got {self.blocks_per_group!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (0 = synchronous onload), got {self.prefetch!r}")
-        if self.resident_bytes < 0:
-            raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {self.resident_bytes!r}")
         names = self.entry_methods
         if not names or not all(isinstance(name, str) for name in names) or len(set(names)) < len(names):
             raise ValueError(f"entry_methods must name one or more distinct block methods, got {names!r}")
@@ -81,13 +80,13 @@ class OffloadConfig:
 class GroupOffloadHandle:
     """Owns the groups, hooks, slabs and ledger of one ``apply_group_offload`` call."""
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig,
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, resident_bytes: int,
                  fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None,
                  runtime: Runtime | None = None) -> None:
         self.config = config
         self.ledger = TransferLedger()
         qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
-        chunks = [blocks[i : i + config.blocks_per_group] for i in range(0, len(blocks), config.blocks_per_group)]
+        chunks = split_into_groups(blocks, config.blocks_per_group)
         check_unshared(model, chunks, qualnames)
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
@@ -112,7 +111,7 @@ class GroupOffloadHandle:
         self.pin_seconds = 0.0  # host time spent registering (and refused registering) mirrors, in all
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
-        self.set_resident_bytes(config.resident_bytes)
+        self.set_resident_bytes(resident_bytes)
 
     # --- public -----------------------------------------------------------------------------
 
@@ -135,7 +134,7 @@ class GroupOffloadHandle:
     def reset_stats(self) -> None:
         self.ledger = TransferLedger()
 
-    def set_resident_bytes(self, budget: int) -> None:
+    def set_resident_bytes(self, resident_bytes: int) -> None:
         """Re-plan which groups stay on the device, with the configured prefetch; takes effect from the
         next forward.
 
@@ -143,12 +142,11 @@ class GroupOffloadHandle:
         ``stats()["pinned_bytes"]``); a resident group's mirror is read again only after its device
         copy is dropped, so it stays pageable and leaves the pinned memory to the streamed ones.
         """
-        if budget < 0:
-            raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {budget!r}")
+        _check_resident_bytes(resident_bytes)
         self.release_device_memory()
         self.prefetch = self.config.prefetch  # the depth in effect: ``back_off`` may lower it
         self.backed_off = False
-        self._use_plan(plan_residency([g.nbytes for g in self.groups], budget))
+        self._use_plan(plan_residency([g.nbytes for g in self.groups], resident_bytes))
 
     def back_off(self) -> bool:
         """After a call ran out of device memory: fall back to the next plan that holds less
@@ -259,7 +257,7 @@ class GroupOffloadHandle:
     def park(self) -> None:
         """Point every module at its host mirror without giving up the device copies.
 
-        Whoever drives the model next sees pristine host weights; if that is this engine again, each
+        Whoever drives the model next sees pristine host weights; if that is this handle again, each
         group takes its device copy up again at its next use, without a copy.
         """
         for group in self.groups:
@@ -529,8 +527,9 @@ def apply_group_offload(
     ``runtime`` replaces ``torch.cuda``'s streams, events and allocations (a test's checker).
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
-                           blocks_per_group, prefetch, resident_bytes, pin_memory, tuple(entry_methods))
+                           blocks_per_group, prefetch, pin_memory, tuple(entry_methods))
     config.validate()
+    _check_resident_bytes(resident_bytes)
     blocks = list(blocks)
     if not blocks:
         raise ValueError("blocks is empty: pass the model's block modules, e.g. model.transformer_blocks")
@@ -544,7 +543,12 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
-    return GroupOffloadHandle(model, blocks, config, fill, pinner, progress, runtime)
+    return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime)
+
+
+def _check_resident_bytes(resident_bytes: int) -> None:
+    if resident_bytes < 0:
+        raise ValueError(f"resident_bytes must be >= 0 (0 = stream every group), got {resident_bytes!r}")
 
 
 def handle_of(block: nn.Module) -> GroupOffloadHandle | None:

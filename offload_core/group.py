@@ -7,7 +7,7 @@ its own; the scheduler in ``engine.py`` decides *when*.
 from __future__ import annotations
 
 import copyreg
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -113,6 +113,12 @@ class _WrapperBinding(_Binding):
 
 
 _SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)  # what ``torch.utils.swap_tensors`` ends with
+
+
+def split_into_groups(blocks: Sequence[nn.Module], blocks_per_group: int) -> list[list[nn.Module]]:
+    """Consecutive blocks, ``blocks_per_group`` to a group (the last one may hold fewer): the one place
+    that cuts blocks into groups."""
+    return [list(blocks[i : i + blocks_per_group]) for i in range(0, len(blocks), blocks_per_group)]
 
 
 def check_offloadable(blocks: list[nn.Module]) -> None:
@@ -256,10 +262,11 @@ class ModuleGroup:
     def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
         return self._device_layout(slab)[1]
 
-    def onload_(self, slab: torch.Tensor, non_blocking: bool) -> None:
-        """Copy the mirror into ``slab`` (one copy) and point the modules at it."""
+    def onload_(self, slab: torch.Tensor, non_blocking: bool, source: torch.Tensor | None = None) -> None:
+        """Copy the mirror, or ``source`` holding its bytes (a staging buffer), into ``slab`` (one copy) and
+        point the modules at it."""
         target, views = self._device_layout(slab)
-        target.copy_(self.mirror.buffer, non_blocking=non_blocking)
+        target.copy_(self.mirror.buffer if source is None else source, non_blocking=non_blocking)
         self.bind(slab.data_ptr(), views)
         self.slab = slab
 
