@@ -43,6 +43,7 @@ from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, backed_off_plan, device_footprint, plan_residency, planned_slabs
 from .runtime import CudaRuntime, Runtime
 from .slabs import SlabPool
+from .staging import StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class GroupOffloadHandle:
                 progress(len(self.groups), len(chunks))
         self._inference = any(g.inference for g in self.groups)  # the kind of device buffers to make
         self._slabs = SlabPool(config.onload_device, runtime, self._copy_stream, self._inference)
+        self._staging: StagingRing | None = None  # while pinning is refused for some streamed groups
         self._active: set[int] = set()
         self._trace: list[int] = []
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
@@ -118,6 +120,7 @@ class GroupOffloadHandle:
     def stats(self) -> dict[str, float | int]:
         """Transfer ledger and layout (never waits for the GPU)."""
         resident = [g for g in self.groups if g.resident]
+        staging = 0 if self._staging is None else self._staging.pinned_bytes
         return {
             **self.ledger.as_dict(),
             "prefetch": self.prefetch,
@@ -127,7 +130,8 @@ class GroupOffloadHandle:
             "streamed_bytes_per_pass": sum(g.nbytes for g in self.groups if not g.resident),
             "slab_bytes": self._slabs.held_bytes(),
             "host_bytes": sum(g.nbytes for g in self.groups),
-            "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned),
+            "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned) + staging,  # all it holds page-locked
+            "staging_bytes": staging,
             "pin_seconds": self.pin_seconds,
         }
 
@@ -202,6 +206,7 @@ class GroupOffloadHandle:
         does not stop the others. Returns the streamed bytes left in pageable memory."""
         if self._pinner is None:
             return 0
+        self._drop_staging()  # the groups first: a ring is only for what stays pageable
         for group in self.groups:
             if group.resident:
                 group.mirror.unpin()  # first, so that the streamed ones can have what it held
@@ -209,11 +214,35 @@ class GroupOffloadHandle:
         refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
         if refused and self._runtime is not None:
             self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
+            if any(g.mirror.pinned for g in self.groups):  # a limit, not a driver that pins nothing
+                self._make_staging()
         self.pin_seconds += time.perf_counter() - started
         if refused:
-            log.info("%.1f MB of streamed groups stay in pageable memory (slower copies): pinning was refused",
-                     refused / 2**20)
+            refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned)
+            ring = (f"through {self._staging.pinned_bytes / 2**20:.1f} MB of pinned staging buffers"
+                    if self._staging is not None else "from pageable memory (slower copies)")
+            log.info("%.1f MB of streamed groups stay in pageable memory and stream %s: pinning was refused",
+                     refused / 2**20, ring)
         return refused
+
+    def _make_staging(self) -> None:
+        """A pinned staging ring for the streamed groups pinning refused, pinned in the room of the last
+        pinned groups: every pageable copy then runs at the pinned rate, for two groups' worth of pins."""
+        ring = StagingRing(self._runtime, self._slabs.slab_bytes)
+        self.unpin(at_least=ring.total_bytes)
+        if ring.pin(self._pinner, self._copy_stream.synchronize):
+            self._staging = ring
+            return
+        self._runtime.discard_last_error()
+        for group in self.groups:  # no ring after all: the groups take their pins back
+            if not group.resident and not group.mirror.pinned:
+                self._pin(group)
+        self._runtime.discard_last_error()
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.unpin()  # after the copies that read it (the drain given to ``pin``)
+            self._staging = None
 
     def unpin(self, at_least: int | None = None) -> int:
         """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
@@ -225,6 +254,9 @@ class GroupOffloadHandle:
             if group.mirror.pinned:
                 group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
                 freed += group.nbytes
+        if self._staging is not None and (at_least is None or freed < at_least):
+            freed += self._staging.pinned_bytes
+            self._drop_staging()
         return freed
 
     def device_bytes_needed(self) -> int:
@@ -285,6 +317,7 @@ class GroupOffloadHandle:
             group.release()
             for block in group.blocks:
                 _MANAGED.pop(block, None)
+        self._drop_staging()
         self._forget_slabs()
         for block, name, wrapper in self._wrapped:
             if block.__dict__.get(name) is wrapper:
@@ -455,7 +488,13 @@ class GroupOffloadHandle:
             with torch.inference_mode():  # inference tensors (see ``ModuleGroup``) are written only under it
                 self._copy_into(group, slab, non_blocking)
             return
-        group.onload_(slab, non_blocking)
+        if self._staging is not None and not group.resident and not group.mirror.pinned:
+            staged, index = self._staging.stage(group.mirror.buffer)
+            group.onload_(slab, non_blocking, source=staged)
+            self._staging.sent(index, self._copy_stream)
+            self.ledger.staged_copies += 1
+        else:
+            group.onload_(slab, non_blocking)
         if self._patch is not None:
             for i in self._patched[group.index]:
                 tensor = group.device_tensor(i)

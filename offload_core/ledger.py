@@ -24,6 +24,7 @@ class TransferLedger:
     onloads: int = 0  # groups brought onto the device (streamed or resident)
     sync_onloads: int = 0  # of those, onloads the compute had to wait for on the host side
     prefetches: int = 0
+    staged_copies: int = 0  # of the copies, those that went through a pinned staging buffer (pinning refused)
     hook_seconds: float = 0.0  # host time spent inside the hooks
     hook_calls: int = 0  # group entries (each streamed or resident group run counts once)
     back_offs: int = 0  # plans given up for one that holds less, after a call ran out of device memory

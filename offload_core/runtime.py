@@ -27,6 +27,8 @@ class Runtime(Protocol):
 
     def empty(self, nbytes: int) -> torch.Tensor: ...
 
+    def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None: ...
+
     def empty_cache(self) -> None: ...
 
     def discard_last_error(self) -> None: ...
@@ -52,6 +54,10 @@ class CudaRuntime:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """A copy between host buffers, by the host thread (no stream is involved)."""
+        target.copy_(source)
 
     def empty_cache(self) -> None:
         """Hand the caching allocator's unused memory back to the driver (after an out-of-memory)."""

@@ -216,6 +216,11 @@ class StreamChecker(TorchDispatchMode):
         self._live.append((block, StorageWeakRef(tensor.untyped_storage())))
         return tensor
 
+    def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """The host thread's copy: its accesses are the host's, ordered after what the host has waited for."""
+        with self.use_stream(Stream(self, HOST)):
+            target.copy_(source)
+
     def empty_cache(self) -> None:
         """Pooled memory goes back to the driver. Since it was freed, any kernel of the stream whose
         pool holds it may have been handed it: every access to it from another stream must be

@@ -15,7 +15,7 @@ from torch import nn
 from offload_core import CudaHostRegister, apply_group_offload
 from offload_core.mirror import HOST_REGISTER_PORTABLE
 from offload_core.runtime import CudaRuntime
-from stream_checker import COMPUTE, StreamChecker
+from stream_checker import COMPUTE, HOST, StreamChecker
 from test_core_engine import make_pair
 
 
@@ -221,3 +221,64 @@ def test_blocks_run_through_other_methods_stream_once_per_visit(checker, mode, b
     assert not any(name in vars(block) for block in offloaded.blocks for name in ("side", "side_cached", "main"))
     with torch.inference_mode():
         assert torch.equal(offloaded(x, mode), expected)
+
+
+def limit_pins_to_three_groups(checker: StreamChecker) -> int:
+    """Make the driver refuse registrations past three (and a half) of ``make_pair``'s six groups; their size."""
+    probe = offload(make_pair("cpu")[1], checker)
+    group = probe.groups[0].nbytes
+    probe.remove()
+    checker.cudart.driver_limit = 3 * group + group // 2
+    return group
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_groups_pinning_refused_stream_through_the_pinned_staging_ring(checker, prefetch):
+    """Past a pinned-memory limit, the groups left in pageable memory are copied into a ring of pinned
+    buffers by the host and from there to the device on the copy stream, in the room of two pinned groups."""
+    reference, offloaded, x = make_pair("cpu")
+    group = limit_pins_to_three_groups(checker)
+    handle = offload(offloaded, checker, prefetch=prefetch)
+    stats = handle.stats()
+    pinned_groups = [g.mirror.pinned for g in handle.groups]
+    assert stats["staging_bytes"] == 2 * group and pinned_groups == [True, False, False, False, False, False]
+    assert checker.cudart.registered_bytes == stats["pinned_bytes"] <= checker.cudart.driver_limit, "the ring counts as pinned"
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(3):
+            assert torch.equal(offloaded(x), expected)
+    stats = handle.stats()
+    copies = [{n for n in touched if n.startswith("host buffer")} for stream, touched, written in checker.launches
+              if stream not in (COMPUTE, HOST) and written]
+    pinned_mirror = {f"host buffer {handle.groups[0].mirror.buffer.data_ptr():#x}"}
+    assert all(len(read) == 1 for read in copies), "each copy to the device reads one pinned buffer"
+    assert len(set().union(*copies)) == 3, "the pinned group's mirror and the two staging buffers"
+    assert stats["staged_copies"] == sum(read != pinned_mirror for read in copies) >= 3 * pinned_groups.count(False)
+    assert stats["copies_h2d"] == len(copies)
+    handle.remove()
+    assert checker.cudart.registered == {}, "the ring goes with the handle"
+
+
+def test_a_staging_buffer_is_refilled_only_after_the_copy_out_of_it_ran(stream_checker, monkeypatch):
+    """Without the host's wait for a staging buffer's last copy, the host overwrites it while the copy
+    stream may still read it: the checker must see that race."""
+    from offload_core.staging import StagingRing
+    from stream_checker import RaceError
+
+    reference, offloaded, x = make_pair("cpu")
+    group = limit_pins_to_three_groups(stream_checker)
+    handle = offload(offloaded, stream_checker, prefetch=1)
+    sent = StagingRing.sent
+    monkeypatch.setattr(StagingRing, "sent", lambda self, index, stream: None)  # no event: no wait
+    with torch.inference_mode(), pytest.raises(RaceError, match="host buffer"):
+        offloaded(x)
+    monkeypatch.setattr(StagingRing, "sent", sent)
+    handle.remove()  # (its unpinning waits for the copies, as it should)
+
+
+def test_unpinning_gives_back_the_staging_ring_last(checker):
+    _, offloaded, _ = make_pair("cpu")
+    group = limit_pins_to_three_groups(checker)
+    handle = offload(offloaded, checker)
+    assert handle.unpin(at_least=1) == group and handle.stats()["staging_bytes"] == 2 * group
+    assert handle.unpin() == 2 * group and checker.cudart.registered == {}
