@@ -155,14 +155,15 @@ class ForwardLog:
 
 
 def _model_file(case: ModelCase) -> Path:
-    from comfy_env import full_width_qwen_image_file, tiny_qwen_image_file
+    from fixture_models import full_width_qwen_image_file, tiny_qwen_image_file
 
     return full_width_qwen_image_file(case.layers) if case.full_width else tiny_qwen_image_file(case.layers)
 
 
 def _boot(case: ModelCase, base_dir: Path) -> str:
     """ComfyUI in this process, finding the case's model file as ``unet_name``; returns that name."""
-    from comfy_env import boot_comfyui_in_process, populate_models, use_models_in_process
+    from comfy_boot import boot_comfyui_in_process
+    from fixture_models import populate_models, use_models_in_process
 
     path = _model_file(case)
     boot_comfyui_in_process(cpu=True)
@@ -183,13 +184,13 @@ def _group_bytes(block: nn.Module) -> int:
 
 
 def _conditioning(case: ModelCase, seed: int) -> list:
-    from comfy_env import make_test_conditioning
+    from run_nodes import make_test_conditioning
 
     return make_test_conditioning(seed, case.text_tokens, case.joint_dim)
 
 
 def _sample(model: Any, case: ModelCase, steps: int) -> None:
-    from comfy_env import run_txt2img
+    from run_nodes import run_txt2img
 
     run_txt2img(model, steps=steps, cfg=CFG, width=case.size, height=case.size,
                 positive=_conditioning(case, 1), negative=_conditioning(case, 2))
@@ -197,7 +198,7 @@ def _sample(model: Any, case: ModelCase, steps: int) -> None:
 
 def _load(loader: str, unet_name: str, **inputs: Any) -> tuple[Any, dict[str, float]]:
     """Run a loader node; the model and the RSS (net of before) while and after loading."""
-    from comfy_env import run_node
+    from run_nodes import run_node
 
     gc.collect()
     before = rss_bytes()
@@ -219,7 +220,7 @@ def _unload_all() -> None:
 
 def _prepare(plain: Any, mode: Mode, group_bytes: int) -> tuple[Any, Callable[[], Any], Callable[[], None]]:
     """The MODEL to sample for ``mode``, where its ledger is, and how to undo the mode."""
-    from comfy_env import run_node
+    from run_nodes import run_node
 
     blocks = plain.model.diffusion_model.transformer_blocks
     if mode.copy_back:

@@ -19,7 +19,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from comfy_env import ARTIFACTS_DIR, ComfyServer, txt2img_workflow  # noqa: E402
+from comfy_boot import ARTIFACTS_DIR  # noqa: E402
+from live_server import ComfyServer, txt2img_workflow  # noqa: E402
 
 REPORT_ID = "11"
 

@@ -205,7 +205,7 @@ def comfy_qwen_on_meta(config: BenchConfig) -> nn.Module:
     """ComfyUI's Qwen-Image at this size on the meta device, every weight made (no memory)."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-    from comfy_env import qwen_rope_axes
+    from fixture_models import qwen_rope_axes
 
     with eager_weights():
         return QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,
@@ -251,7 +251,8 @@ def start_comfyui(config: BenchConfig, dynamic: bool) -> str:
     patcher and the global switch, as main.py does by default. Without CUDA (``--smoke``) ComfyUI
     runs ``--cpu``, which switches Dynamic VRAM off in main.py too.
     """
-    from comfy_env import boot_comfyui_in_process, prepare_comfy_import, widen_qwen_detection
+    from comfy_boot import boot_comfyui_in_process, prepare_comfy_import
+    from fixture_models import widen_qwen_detection
 
     prepare_comfy_import(cpu=config.smoke)
     if dynamic and not config.smoke:
@@ -294,7 +295,7 @@ def _call_first_accepted(function: Callable[..., Any], *keyword_sets: dict[str, 
 
 def comfy_allocator_env() -> dict[str, str]:
     """``PYTORCH_CUDA_ALLOC_CONF`` as ComfyUI's main.py sets it (its ``cuda_malloc`` module decides)."""
-    from comfy_env import comfyui_path
+    from comfy_boot import comfyui_path
 
     probe = ("import os, sys; sys.path.insert(0, sys.argv[1]); import cuda_malloc; "
              "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")
@@ -590,7 +591,7 @@ PROFILED_MODE = "stream_all p1"  # at the smallest cap
 
 def offload_node(plain: Any, settings: dict[str, Any]) -> Any:
     """This pack's node on ``plain``, as a user wires it."""
-    from comfy_env import run_node
+    from run_nodes import run_node
 
     return run_node("GroupOffload", model=plain, blocks_per_group=1, resident_gb=0.0, **settings).outputs[0]
 
@@ -762,7 +763,7 @@ def copy_back_row(config: BenchConfig, balloon: Balloon, cap: int) -> None:
 
 
 def build_diffusers_model(config: BenchConfig) -> nn.Module:
-    from comfy_env import qwen_rope_axes
+    from fixture_models import qwen_rope_axes
     from diffusers import QwenImageTransformer2DModel
 
     dims = dict(num_layers=config.blocks, attention_head_dim=config.head_dim, num_attention_heads=config.heads,

@@ -29,7 +29,7 @@ sys.path += [str(BENCH_DIR.parent / "tests")]
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from comfy_env import ComfyServer  # noqa: E402
+from live_server import ComfyServer  # noqa: E402
 from lora_fixture import make_lora  # noqa: E402
 from reporting import markdown_table, replace_section  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Fixtures on real ComfyUI: an in-process ComfyUI, fixture models and a live server (see comfy_env)."""
+"""Fixtures on real ComfyUI: an in-process ComfyUI (comfy_boot), fixture models (fixture_models) and a
+live server (live_server)."""
 from __future__ import annotations
 
 import gc
@@ -9,23 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_env import (
+from comfy_boot import REPO_ROOT, boot_comfyui_in_process, comfyui_path, comfyui_version
+from deprecations import pack_deprecations
+from fake_cudart import FakeCudart, install as install_fake_cudart
+from fixture_models import (
     FULL_WIDTH_QWEN_NAME,
-    REPO_ROOT,
-    ComfyServer,
     ModelDir,
-    boot_comfyui_in_process,
-    comfyui_path,
-    comfyui_version,
-    find_chromium,
     full_width_qwen_image_file,
     populate_models,
     tiny_qwen_image_file,
     tiny_wan_vae_file,
     use_models_in_process,
 )
-from deprecations import pack_deprecations
-from fake_cudart import FakeCudart, install as install_fake_cudart
+from live_server import ComfyServer, find_chromium
 from stream_checker import StreamChecker
 
 

@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from comfy_env import ModelDir, boot_comfyui_in_process, prepare_comfy_import, run_txt2img, use_models_in_process  # noqa: E402
+from comfy_boot import boot_comfyui_in_process, prepare_comfy_import  # noqa: E402
+from fixture_models import ModelDir, use_models_in_process  # noqa: E402
+from run_nodes import run_txt2img  # noqa: E402
 from test_nodes import engine, load_offloaded, load_plain, offload, with_lora  # noqa: E402
 
 SEED = 31

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from comfy_env import REPO_ROOT, comfyui_path
+from comfy_boot import REPO_ROOT, comfyui_path
 
 DEPRECATION = re.compile(r"has moved|deprecat", re.IGNORECASE)
 PACK_CODE = (REPO_ROOT / "nodes", REPO_ROOT / "offload_core")

@@ -17,7 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from comfy_env import boot_comfyui_in_process, run_node, tiny_qwen_image_file, widen_qwen_detection  # noqa: E402
+from comfy_boot import boot_comfyui_in_process  # noqa: E402
+from fixture_models import tiny_qwen_image_file, widen_qwen_detection  # noqa: E402
+from run_nodes import run_node  # noqa: E402
 from fake_cudart import give_device_memory  # noqa: E402
 from lora_fixture import make_lora  # noqa: E402
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from comfy_env import _fill, _save, prepare_comfy_import
+from comfy_boot import prepare_comfy_import
+from fixture_models import fill_seeded, save_safetensors
 
 META = torch.device("meta")
 
@@ -58,11 +59,11 @@ def make_tiny_hunyuan_video(path: Path, original_format: bool = False, prefix: s
     """A 1+1-block HunyuanVideo in ComfyUI's key format, or with some keys in the original release's
     format (``img_attn_qkv``, ``img_mod.linear``), which ComfyUI renames when it loads the file.
     ``prefix`` goes before every key (``model.diffusion_model.`` as in a checkpoint)."""
-    tensors = _fill(comfy_model_shapes(HUNYUAN_VIDEO_SEED), seed=0, dtype=torch.bfloat16)
+    tensors = fill_seeded(comfy_model_shapes(HUNYUAN_VIDEO_SEED), seed=0, dtype=torch.bfloat16)
     if original_format:
         tensors = {key.replace("img_attn.qkv.", "img_attn_qkv.").replace("img_mod.lin.", "img_mod.linear."): value
                    for key, value in tensors.items()}
-    return _save({prefix + key: value for key, value in tensors.items()}, path)
+    return save_safetensors({prefix + key: value for key, value in tensors.items()}, path)
 
 
 # A tiny file's keys and shapes (after the prefix) -> the config class ComfyUI detects for it, and its unet_config.
@@ -119,4 +120,4 @@ def save_with_detection(state_dict: dict[str, torch.Tensor], config_class: str, 
     """
     _detect_saved_configs()
     _SAVED_CONFIGS[_layout(state_dict, "")] = config_class, copy.deepcopy(unet_config)
-    return _save({key: tensor.detach().clone() for key, tensor in state_dict.items()}, path)
+    return save_safetensors({key: tensor.detach().clone() for key, tensor in state_dict.items()}, path)

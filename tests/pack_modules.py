@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from comfy_env import boot_comfyui_in_process, pack_dir
+from comfy_boot import boot_comfyui_in_process, pack_dir
 
 
 def pack_module(dotted: str) -> ModuleType:

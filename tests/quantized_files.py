@@ -1,6 +1,6 @@
 """Quantized tiny Qwen-Image files in ComfyUI's own on-disk formats, generated at test time.
 
-Each file is the four-block tiny Qwen-Image of :func:`comfy_env.tiny_qwen_image_file` with the 2-D
+Each file is the four-block tiny Qwen-Image of :func:`fixture_models.tiny_qwen_image_file` with the 2-D
 ``.weight`` of every Linear inside ``transformer_blocks`` quantized (norms, biases and everything
 outside the blocks stay bf16), written with real safetensors and cached per format and ComfyUI version
 in ``.cache/fixtures``. The quantized data comes from the running ComfyUI's own quantizer:
@@ -60,7 +60,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from comfy_env import _cached, comfyui_version, prepare_comfy_import, tiny_qwen_image_file
+from comfy_boot import comfyui_version, prepare_comfy_import
+from fixture_models import cached_fixture, tiny_qwen_image_file
 
 logger = logging.getLogger(__name__)
 
@@ -251,5 +252,5 @@ def quantized_qwen_file(name: str) -> Path:
     if name not in QUANT_FORMATS:
         raise KeyError(f"unknown quantized format {name!r}; known: {', '.join(QUANT_FORMATS)}")
     # The quantizer is the running ComfyUI's, so each version gets its own file.
-    return _cached(f"tiny_qwen_image_{name}-comfyui-{comfyui_version()}", make_quantized_qwen_image,
+    return cached_fixture(f"tiny_qwen_image_{name}-comfyui-{comfyui_version()}", make_quantized_qwen_image,
                    fmt=QUANT_FORMATS[name], source=source_qwen_file())

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import torch
 
-from comfy_env import _cached, _fill, _link_or_copy, _save, prepare_comfy_import, tiny_qwen_image_file, tiny_wan_vae_file
+from comfy_boot import prepare_comfy_import
+from fixture_models import (
+    cached_fixture,
+    fill_seeded,
+    link_or_copy,
+    save_safetensors,
+    tiny_qwen_image_file,
+    tiny_wan_vae_file,
+)
 from lora_fixture import make_lora
 from test_block_finder import MODELS, save_tiny_file
 
@@ -38,7 +46,7 @@ def make_flux_vae(path: Path, seed: int = 0) -> Path:
     with torch.device("meta"):
         parts = {"encoder": Encoder(**FLUX_VAE_CONFIG), "decoder": Decoder(**FLUX_VAE_CONFIG)}
     shapes = {f"{prefix}.{key}": value.shape for prefix, part in parts.items() for key, value in part.state_dict().items()}
-    return _save(_fill(shapes, seed, torch.bfloat16), path)
+    return save_safetensors(fill_seeded(shapes, seed, torch.bfloat16), path)
 
 
 def _image(path: Path) -> None:
@@ -49,12 +57,12 @@ def _image(path: Path) -> None:
 
 
 WRITERS = {
-    "qwen_image": lambda path: _link_or_copy(tiny_qwen_image_file(), path),
+    "qwen_image": lambda path: link_or_copy(tiny_qwen_image_file(), path),
     "qwen_image_lora": lambda path: make_lora(tiny_qwen_image_file(), path),
     "flux": lambda path: save_tiny_file(FLUX, path),
     "wan_t2v": lambda path: save_tiny_file(WAN_T2V, path),
-    "wan_vae": lambda path: _link_or_copy(tiny_wan_vae_file(), path),
-    "flux_vae": lambda path: _link_or_copy(_cached("flux_vae", make_flux_vae), path),
+    "wan_vae": lambda path: link_or_copy(tiny_wan_vae_file(), path),
+    "flux_vae": lambda path: link_or_copy(cached_fixture("flux_vae", make_flux_vae), path),
     "image": _image,
 }
 

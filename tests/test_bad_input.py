@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
-from comfy_env import PromptRejected, run_node, txt2img_workflow
+import fixture_models
+from live_server import PromptRejected, txt2img_workflow
+from run_nodes import run_node
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "budget", "resident_gb": 0.0}
 
@@ -27,7 +28,7 @@ def _join(header: dict, data: bytes) -> bytes:
 
 def _edited(edit) -> bytes:
     """The tiny model with its header changed by ``edit(header)``."""
-    header, data = _split(comfy_env.tiny_qwen_image_file())
+    header, data = _split(fixture_models.tiny_qwen_image_file())
     edit(header)
     return _join(header, data)
 
@@ -55,7 +56,7 @@ def _framed(header: bytes) -> bytes:
 
 
 def _valid() -> bytes:
-    return comfy_env.tiny_qwen_image_file().read_bytes()
+    return fixture_models.tiny_qwen_image_file().read_bytes()
 
 
 # name -> (the file's bytes, what the sentence must say)
@@ -131,6 +132,6 @@ def test_in_range_resident_gb_still_passes_and_the_node_refuses_nan_itself(comfy
     name = comfy_server.models.unet_name
     entry = comfy_server.run(txt2img_workflow(name, seed=85, model_patch=("GroupOffload", OFFLOAD | {"resident_gb": 4096.0})))
     assert comfy_server.output_images(entry)
-    plain = run_node("UNETLoader", unet_name=comfy_env.TINY_QWEN_NAME, weight_dtype="default").outputs[0]
+    plain = run_node("UNETLoader", unet_name=fixture_models.TINY_QWEN_NAME, weight_dtype="default").outputs[0]
     with pytest.raises(ValueError, match="resident_gb must be a finite number"):
         run_node("GroupOffload", model=plain, **(OFFLOAD | {"resident_gb": math.nan}))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from comfy_env import run_node
+from run_nodes import run_node
 from other_models import save_with_detection
 from pack_modules import pack_module
 from quantized_files import QUANT_FORMATS, cpu_skip_reason, quantize_state_dict

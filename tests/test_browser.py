@@ -6,7 +6,7 @@ it with ``app.queuePrompt`` and waits for ``execution_success``; the tests then 
 extensions keep on the nodes (``node.groupOffloadTelemetry``, ``node.groupOffloadReport``), the
 report table in the DOM, and every console error the page logged.
 
-Chromium is the system one (Debian's ``chromium`` package; ``comfy_env.find_chromium``): nothing
+Chromium is the system one (Debian's ``chromium`` package; ``live_server.find_chromium``): nothing
 is downloaded. Without it the tests are skipped, saying so.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, sync_playwright
 
-from comfy_env import ARTIFACTS_DIR, REPO_ROOT, ComfyServer, find_chromium
+from comfy_boot import ARTIFACTS_DIR, REPO_ROOT
+from live_server import ComfyServer, find_chromium
 
 pytestmark = pytest.mark.browser
 

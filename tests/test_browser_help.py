@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page
 
-from comfy_env import PACK_DIR_NAME, REPO_ROOT, ComfyServer, comfyui_path
+from comfy_boot import PACK_DIR_NAME, REPO_ROOT, comfyui_path
+from live_server import ComfyServer
 from test_browser import (  # noqa: F401  (browser_page and chromium are fixtures)
     FRONTEND_RELEASE,
     WRITE_SCREENSHOTS,

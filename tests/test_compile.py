@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch._dynamo.utils import counters
 
-from comfy_env import run_node, run_txt2img
+from run_nodes import run_node, run_txt2img
 from lora_fixture import make_lora
 from offload_core import apply_group_offload
 from test_core_engine import make_pair

@@ -25,7 +25,9 @@ import torch
 
 import cuda_nodes_driver
 import test_quantized as quantized
-from comfy_env import comfyui_path, run_node, tiny_qwen_image_file
+from comfy_boot import comfyui_path
+from fixture_models import tiny_qwen_image_file
+from run_nodes import run_node
 from cuda_nodes_driver import LORA_STRENGTH, STEPS, offload_lifecycle, sample
 from fake_cudart import give_device_memory
 from quantized_files import cpu_skip_reason, quantized_qwen_file

@@ -9,12 +9,12 @@ from types import ModuleType
 
 import pytest
 
-from comfy_env import REPO_ROOT
+from comfy_boot import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def dev() -> ModuleType:
-    """dev.py as a module (not on sys.path: the repository root must stay off it, see comfy_env)."""
+    """dev.py as a module (not on sys.path: the repository root must stay off it, see comfy_boot)."""
     spec = importlib.util.spec_from_file_location("group_offload_dev", REPO_ROOT / "dev.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there

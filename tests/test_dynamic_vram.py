@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_env import comfyui_path, run_txt2img
+from comfy_boot import comfyui_path
+from run_nodes import run_txt2img
 from test_nodes import FOUR_BLOCKS, engine, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
 
 

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 import stand_ins
-from comfy_env import TESTS_DIR, ComfyServer, _link_or_copy_dir
+from comfy_boot import TESTS_DIR
+from fixture_models import link_or_copy_dir
+from live_server import ComfyServer
 from ui_workflows import (
     FRONTEND_ONLY_NODES,
     MODE_BYPASS,
@@ -156,7 +158,7 @@ def stand_in_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyS
     """A real ComfyUI server whose folders hold the stand-ins of STAND_INS (the stand_in_models test pack)."""
     base_dir = tmp_path_factory.mktemp("stand_in_server")
     (base_dir / "custom_nodes").mkdir()
-    _link_or_copy_dir(TESTS_DIR / "stand_in_models", base_dir / "custom_nodes" / "stand_in_models")
+    link_or_copy_dir(TESTS_DIR / "stand_in_models", base_dir / "custom_nodes" / "stand_in_models")
     with ComfyServer(base_dir, env={stand_ins.ENV: json.dumps(STAND_INS)}) as server:
         yield server
 

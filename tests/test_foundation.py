@@ -5,15 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-from comfy_env import (
-    PromptFailed,
-    PromptRejected,
-    make_test_conditioning,
-    qwen_rope_axes,
-    run_node,
-    run_txt2img,
-    txt2img_workflow,
-)
+from fixture_models import qwen_rope_axes
+from live_server import PromptFailed, PromptRejected, txt2img_workflow
+from run_nodes import make_test_conditioning, run_node, run_txt2img
 
 
 def _load(unet_name: str, vae_name: str | None = None):

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from comfy_env import run_node, txt2img_workflow
+from live_server import txt2img_workflow
+from run_nodes import run_node
 from offload_core import apply_group_offload, handle_of
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_env import run_node, tiny_qwen_image_file
+from fixture_models import tiny_qwen_image_file
+from run_nodes import run_node
 from other_models import CHROMA_SEED, HUNYUAN_VIDEO_SEED, comfy_model_shapes, make_tiny_hunyuan_video
 from pack_modules import pack_module
 from quantized_files import cpu_skip_reason, quantized_qwen_file

@@ -5,7 +5,7 @@ import gc
 
 import torch
 
-from comfy_env import run_node, run_txt2img
+from run_nodes import run_node, run_txt2img
 from test_nodes import engine, load_plain, models, offload, with_lora  # noqa: F401  (models: fixture)
 
 

@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from comfy_env import PACK_DIR_NAME, REPO_ROOT, ComfyServer
+from comfy_boot import PACK_DIR_NAME, REPO_ROOT
+from live_server import ComfyServer
 from pack_modules import pack_module
 
 DOCS = REPO_ROOT / "web" / "docs"

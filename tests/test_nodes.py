@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import comfy_env
-from comfy_env import run_node, run_txt2img
+import fixture_models
+from run_nodes import run_node, run_txt2img
 from lora_fixture import make_lora
 from pack_modules import pack_module
 
@@ -17,7 +17,7 @@ OFFLOAD_DEFAULTS = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_a
 @pytest.fixture(scope="module")
 def models(comfy_models):
     """A four-block tiny Qwen-Image (so groups, prefetch and residency have room) and a LoRA for it."""
-    source = comfy_env.tiny_qwen_image_file(num_layers=4)
+    source = fixture_models.tiny_qwen_image_file(num_layers=4)
     target = comfy_models.models_dir / "diffusion_models" / FOUR_BLOCKS
     if not target.exists():
         target.symlink_to(source)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfy_env import PromptRejected, txt2img_workflow
+from live_server import PromptRejected, txt2img_workflow
 from lora_fixture import make_lora
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from comfy_env import run_node, run_txt2img, txt2img_workflow
+from live_server import txt2img_workflow
+from run_nodes import run_node, run_txt2img
 from fake_cudart import give_device_memory
 from pack_modules import pack_module
 from test_nodes import engine, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)

@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-import comfy_env
+import fixture_models
+import live_server
 from fake_cudart import give_device_memory
-from comfy_env import make_test_conditioning, run_node, run_txt2img
+from run_nodes import make_test_conditioning, run_node, run_txt2img
 from test_nodes import engine, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
 
 SECOND_MODEL = "tiny_qwen_image_4_blocks_second.safetensors"
@@ -232,7 +233,7 @@ def served_pins(server) -> int:
 
 
 def offloaded_workflow(server, options: dict = OFFLOAD) -> dict:
-    return comfy_env.txt2img_workflow(server.models.unet_name, model_patch=("GroupOffload", options))
+    return live_server.txt2img_workflow(server.models.unet_name, model_patch=("GroupOffload", options))
 
 
 def upstream(workflow: dict, node_id: str) -> dict:
@@ -291,7 +292,7 @@ def test_a_post_free_the_queue_misses_is_handled_at_the_next_prompt(tmp_path):
     this once, and polled them for 60 s). The test server holds that collection until the POST lands, so
     it happens every time. The next prompt has the worker handle the flags: then the pins go."""
     env = {"GROUP_OFFLOAD_FAKE_CUDART": "1", "GROUP_OFFLOAD_HOLD_WORKER_GC": "1"}
-    with comfy_env.ComfyServer(tmp_path, env=env, classic_cache=True) as server:
+    with live_server.ComfyServer(tmp_path, env=env, classic_cache=True) as server:
         workflow = offloaded_workflow(server)
         server.run(workflow)
         pinned = served_pins(server)
@@ -319,7 +320,7 @@ def test_new_settings_leave_only_the_new_plans_pins(server, node):
     def workflow(options: dict) -> dict:
         if node == "GroupOffload":
             return offloaded_workflow(server, options)
-        changed = comfy_env.txt2img_workflow(server.models.unet_name)
+        changed = live_server.txt2img_workflow(server.models.unet_name)
         changed["1"] = {"class_type": node, "inputs": {**changed["1"]["inputs"], **options}}
         return changed
 
@@ -335,7 +336,7 @@ def test_new_settings_leave_only_the_new_plans_pins(server, node):
 def second_model(models):
     target = models.models_dir / "diffusion_models" / SECOND_MODEL
     if not target.exists():
-        target.symlink_to(comfy_env.tiny_qwen_image_file(num_layers=4, seed=1))
+        target.symlink_to(fixture_models.tiny_qwen_image_file(num_layers=4, seed=1))
     return SECOND_MODEL
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_env import comfyui_version, run_node, run_txt2img, tiny_qwen_image_file
+from comfy_boot import comfyui_version
+from fixture_models import tiny_qwen_image_file
+from run_nodes import run_node, run_txt2img
 from deprecations import pack_deprecations
 from lora_fixture import make_lora
 from pack_modules import pack_module

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from comfy_env import ModelDir, run_node, run_txt2img
+from fixture_models import ModelDir
+from run_nodes import run_node, run_txt2img
 from lora_fixture import make_lora
 from quantized_files import QUANT_FORMATS, cpu_skip_reason, quantized_qwen_file, source_qwen_file
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from comfy_env import REPO_ROOT, run_node, run_txt2img
+from comfy_boot import REPO_ROOT
+from run_nodes import run_node, run_txt2img
 
 # Every field of a message, for web/group_offload.js and web/group_offload_report.js to read.
 FRONT_END_FIELDS = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from comfy_env import REPO_ROOT, ComfyServer
+from comfy_boot import REPO_ROOT
+from live_server import ComfyServer
 from pack_modules import pack_module
 
 NODE_DEFS = REPO_ROOT / "locales" / "zh" / "nodeDefs.json"

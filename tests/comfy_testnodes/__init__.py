@@ -1,6 +1,6 @@
 """TEST ONLY node pack for the Group Offload tests; never installed for users.
 
-Importing it widens ComfyUI's Qwen-Image detection (see ``comfy_env.widen_qwen_detection``) so that a
+Importing it widens ComfyUI's Qwen-Image detection (see ``fixture_models.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
 7B Qwen text encoder, and one that makes a block of a model run out of GPU memory (see
 ``GroupOffloadTestOutOfMemory``). With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
@@ -22,7 +22,8 @@ _TESTS_DIR = str(Path(__file__).resolve().parent.parent)
 if _TESTS_DIR not in sys.path:
     sys.path.append(_TESTS_DIR)
 
-from comfy_env import make_test_conditioning, widen_qwen_detection  # noqa: E402
+from fixture_models import widen_qwen_detection  # noqa: E402
+from run_nodes import make_test_conditioning  # noqa: E402
 
 widen_qwen_detection()
 
