@@ -214,7 +214,7 @@ def _load(loader: str, unet_name: str, **inputs: Any) -> tuple[Any, dict[str, fl
 def _unload_all() -> None:
     import comfy.model_management as mm
 
-    mm.unload_all_models()  # detach(unpatch_all=True): the pack's engine is removed
+    mm.unload_all_models()  # detach(unpatch_all=True): the pack's handle is removed
     gc.collect()
 
 
@@ -232,7 +232,7 @@ def _prepare(plain: Any, mode: Mode, group_bytes: int) -> tuple[Any, Callable[[]
     (offloaded,) = run_node("GroupOffload", model=plain, blocks_per_group=1, prefetch=mode.prefetch,
                             residency="budget" if resident else "stream_all",
                             resident_gb=(resident + 0.5) * group_bytes / NODE_GB if resident else 0.0).outputs
-    return offloaded, lambda: offloaded.current_engine().ledger, _unload_all
+    return offloaded, lambda: offloaded.current_handle().ledger, _unload_all
 
 
 def _run_mode(plain: Any, mode: Mode, case: ModelCase, group_bytes: int, base_rss: int) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def _run_mode(plain: Any, mode: Mode, case: ModelCase, group_bytes: int, base_rs
               if b._forward_pre_hooks or b._forward_hooks or "forward" in b.__dict__]
     if hooked:
         raise RuntimeError(f"blocks {hooked} are still hooked or wrapped before mode {mode.name}: "
-                           "an engine outlived its patcher")
+                           "a handle outlived its patcher")
     model, ledger_of, undo = _prepare(plain, mode, group_bytes)
     forward_log = ForwardLog(diffusion_model, ledger_of)
     reset_peak()
@@ -250,8 +250,8 @@ def _run_mode(plain: Any, mode: Mode, case: ModelCase, group_bytes: int, base_rs
         with torch.inference_mode():
             _sample(model, case, case.steps)
         peak = peak_rss_bytes() - base_rss
-        engine = model.current_engine() if mode.prefetch is not None else None
-        layout = engine.stats() if engine is not None else {}
+        handle = model.current_handle() if mode.prefetch is not None else None
+        layout = handle.stats() if handle is not None else {}
     finally:
         forward_log.remove()
         undo()
@@ -327,7 +327,7 @@ def loader_worker(case: ModelCase) -> dict[str, Any]:
         with torch.inference_mode():
             _sample(model, case, steps=2)
         load["sampling_peak_rss"] = peak_rss_bytes() - load["base_rss"]
-        load["sampling_device_side_bytes"] = _device_side_bytes(MODES_BY_NAME["p1"], model.current_engine().stats(), 0)
+        load["sampling_device_side_bytes"] = _device_side_bytes(MODES_BY_NAME["p1"], model.current_handle().stats(), 0)
     return {"case": asdict(case), "load": load}
 
 

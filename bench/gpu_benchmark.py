@@ -418,9 +418,9 @@ def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
     first = at_step.get(0)
 
     def after_warmup() -> None:
-        engine = offload_engine(model)  # built at the first load
-        if engine is not None:
-            engine.reset_stats()
+        handle = offload_handle(model)  # built at the first load
+        if handle is not None:
+            handle.reset_stats()
         counter.calls = 0
         if first is not None:
             first()
@@ -445,7 +445,7 @@ def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
         row.calls_per_step = counter.calls / len(row.step_s)
         row.peak_rss_bytes = peak_rss_bytes()
         row.comfy_pinned_bytes = getattr(mm, "TOTAL_PINNED_MEMORY", None)
-        _read_loaded(row, model, offload_engine(model), len(row.step_s))
+        _read_loaded(row, model, offload_handle(model), len(row.step_s))
     except torch.cuda.OutOfMemoryError as error:
         row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
     finally:
@@ -456,17 +456,17 @@ def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
     return row
 
 
-def offload_engine(model: Any) -> Any:
-    """This pack's engine on the model's blocks, or ``None`` for a model without offloading."""
-    current = getattr(model, "current_engine", None)
+def offload_handle(model: Any) -> Any:
+    """This pack's handle on the model's blocks, or ``None`` for a model without offloading."""
+    current = getattr(model, "current_handle", None)
     return current() if current is not None else None
 
 
-def _read_loaded(row: Row, model: Any, engine: Any, steps: int) -> None:
+def _read_loaded(row: Row, model: Any, handle: Any, steps: int) -> None:
     """Streamed bytes per step: the ledger's for this pack; for ComfyUI's rows, the weights it left
     off the card times the model calls (what its lowvram casts copy per call: an estimate)."""
-    if engine is not None:
-        stats = engine.stats()
+    if handle is not None:
+        stats = handle.stats()
         row.streamed_bytes = stats["bytes_h2d"] / steps
         row.d2h_bytes = stats["bytes_d2h"] / steps
         row.copies = stats["copies_h2d"] / steps
@@ -623,9 +623,9 @@ def pageable_row(family: str, plain: Any, config: BenchConfig, balloon: Balloon,
     import comfy.model_management as mm
 
     offloaded = offload_node(plain, {"residency": "stream_all", "prefetch": 1})
-    engine = offload_engine(offloaded)
-    if engine is not None:
-        engine.unpin()
+    handle = offload_handle(offloaded)
+    if handle is not None:
+        handle.unpin()
     limit, mm.MAX_PINNED_MEMORY = mm.MAX_PINNED_MEMORY, 0
     try:
         sample_row(Row(family, "this pack", "stream_all p1, pins refused", "bf16", cap), offloaded, config, balloon)

@@ -5,7 +5,7 @@ node's options; a LoRA after it, at one of a few strengths, or none; the node by
 frontend sends for mode 4: the workflow without the node, its input wired through); an interrupt
 while it runs; a ``POST /free`` after it. Every latent that comes out is compared, bit for bit,
 with the plain workflow's for the same seed and LoRA strength. At the end, after a last ``/free``:
-the engines and host mirrors still alive (should be none) and the RSS against its level after the
+the handles and host mirrors still alive (should be none) and the RSS against its level after the
 first load.
 
     python3 bench/soak.py --runs 200      # writes the "Soak" section of BENCHMARKS.md
@@ -190,10 +190,10 @@ def report(result: SoakResult, runs_arg: int) -> str:
     live = result.live_after_free
     rows = [[result.runs, result.compared, len(result.wrong_latents), result.interrupted, result.frees,
              f"{result.rss_first_load / 2**20:.0f}", f"{result.rss_after_free / 2**20:.0f}",
-             f"{100 * result.rss_drift:+.1f} %", live["engines"], live["host_mirrors"], live["diffusion_models"],
+             f"{100 * result.rss_drift:+.1f} %", live["handles"], live["host_mirrors"], live["diffusion_models"],
              f"{result.seconds:.0f}"]]
     table = markdown_table(["runs", "latents compared", "wrong latents", "interrupted", "/free", "RSS after 1st load (MiB)",
-                            "RSS after last /free (MiB)", "RSS drift", "engines", "host mirrors", "diffusion models",
+                            "RSS after last /free (MiB)", "RSS drift", "handles", "host mirrors", "diffusion models",
                             "seconds"], rows)
     return (f"`python3 bench/soak.py --runs {runs_arg}`: random API runs against one real ComfyUI server (tiny "
             f"Qwen-Image, CPU): Group Offload node or its loader, random options, LoRA strengths, the node "

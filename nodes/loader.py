@@ -30,9 +30,10 @@ import comfy.supported_models_base
 import comfy.utils
 
 from .blocks import block_list_paths
-from .memory import OffloadSettings
 from ..offload_core import flatten
-from .patcher import GroupOffloadPatcher, build_engine, make_offloaded
+from .handles import build_handle
+from .patcher import GroupOffloadPatcher, make_offloaded
+from .settings import OffloadSettings
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -297,7 +298,7 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
                     raise ValueError(f"{Path(path).name} has no tensor for block weight {part_key}; {_INSTEAD}")
                 st.read_into(file, file_keys[part_key], part)
 
-        build_engine(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
+        build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
         offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded

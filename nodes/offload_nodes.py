@@ -1,7 +1,6 @@
 """The three nodes: Group Offload (no copy-back), its loader, and the report."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import folder_paths
@@ -9,8 +8,8 @@ import nodes as comfy_nodes
 import torch
 
 from .loader import load_offloaded
-from .memory import RESIDENCY_MODES, OffloadSettings
 from .patcher import GroupOffloadPatcher, make_offloaded
+from .settings import RESIDENCY_MODES, RESIDENT_GB_MAX, RESIDENT_GB_MIN, OffloadSettings
 from .telemetry import last_run
 
 OFFLOAD_INPUTS: dict[str, tuple] = {
@@ -28,7 +27,7 @@ OFFLOAD_INPUTS: dict[str, tuple] = {
                    "activations, from the latent's size), stream the rest. stream_all: keep none resident. budget: "
                    "keep resident_gb worth resident. A step that runs out of GPU memory keeps fewer and runs again."}),
     "resident_gb": ("FLOAT", {
-        "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.5,
+        "default": 0.0, "min": RESIDENT_GB_MIN, "max": RESIDENT_GB_MAX, "step": 0.5,
         "tooltip": "GPU memory (GB) for groups that stay resident; used only when residency is budget."}),
 }
 HIDDEN = {"unique_id": "UNIQUE_ID"}
@@ -40,18 +39,21 @@ class _OffloadInputsValidation:
     @classmethod
     def VALIDATE_INPUTS(cls, resident_gb: Any) -> bool | str:
         """ComfyUI's range check lets NaN through (every comparison with NaN is false), and it skips an
-        input that the node validates itself; so the whole range is checked here."""
-        limits = OFFLOAD_INPUTS["resident_gb"][1]
+        input that the node validates itself; so the settings' own check runs here, on the whole range."""
         if not isinstance(resident_gb, (int, float)):
             return True  # linked from another node: OffloadSettings checks it when the node runs
-        if not (math.isfinite(resident_gb) and limits["min"] <= resident_gb <= limits["max"]):
-            return f"resident_gb must be a number from {limits['min']:g} to {limits['max']:g} (GB), got {resident_gb}"
+        try:
+            OffloadSettings(resident_gb=resident_gb).validate()
+        except ValueError as error:
+            return str(error)
         return True
 
 
-def _settings(unique_id: str | None, options: dict[str, Any]) -> OffloadSettings:
+def _settings(unique_id: str | None, blocks_per_group: int, prefetch: int, residency: str,
+              resident_gb: float) -> OffloadSettings:
     """The node's OFFLOAD_INPUTS, and the node whose readout shows the telemetry."""
-    return OffloadSettings(node_id=None if unique_id is None else str(unique_id), **options)
+    return OffloadSettings(blocks_per_group=blocks_per_group, prefetch=prefetch, residency=residency,
+                           resident_gb=resident_gb, node_id=None if unique_id is None else str(unique_id))
 
 
 class GroupOffload(_OffloadInputsValidation):
@@ -68,8 +70,9 @@ class GroupOffload(_OffloadInputsValidation):
         return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to offload."}), **OFFLOAD_INPUTS},
                 "hidden": HIDDEN}
 
-    def apply(self, model, unique_id=None, **options):
-        return (make_offloaded(model, _settings(unique_id, options)),)
+    def apply(self, model, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
+        settings = _settings(unique_id, blocks_per_group, prefetch, residency, resident_gb)
+        return (make_offloaded(model, settings),)
 
 
 class GroupOffloadLoader(_OffloadInputsValidation):
@@ -92,9 +95,10 @@ class GroupOffloadLoader(_OffloadInputsValidation):
             **OFFLOAD_INPUTS,
         }, "hidden": HIDDEN}
 
-    def load(self, unet_name, weight_dtype, unique_id=None, **options):
+    def load(self, unet_name, weight_dtype, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        return (load_offloaded(path, _unet_model_options(weight_dtype), _settings(unique_id, options)),)
+        settings = _settings(unique_id, blocks_per_group, prefetch, residency, resident_gb)
+        return (load_offloaded(path, _unet_model_options(weight_dtype), settings),)
 
 
 # UNETLoader's weight_dtype choices and the model options it derives from each.

@@ -1,6 +1,6 @@
 """Live offload figures for the UI, and the statistics of the last sampling run.
 
-Between ``start_run`` and ``finish_run`` (the patcher's ``pre_run`` and ``cleanup``) the engine's
+Between ``start_run`` and ``finish_run`` (the patcher's ``pre_run`` and ``cleanup``) the handle's
 ledger is read once per sampling step — never per block, and without reading anything back from the
 GPU: ``step_done`` runs as a ComfyUI post-CFG function, once per denoising evaluation — and at most
 ``MAX_MESSAGES_PER_SECOND`` websocket messages are sent.
@@ -63,7 +63,7 @@ class RunTelemetry:
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
                       cpu_only: bool, final: bool) -> dict[str, Any]:
-    """The message the front end draws: the engine's figures plus the per-step streamed GB/s."""
+    """The message the front end draws: the handle's figures plus the per-step streamed GB/s."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
     return {

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfy_boot import boot_comfyui_in_process, prepare_comfy_import  # noqa: E402
 from fixture_models import ModelDir, use_models_in_process  # noqa: E402
 from run_nodes import run_txt2img  # noqa: E402
-from test_nodes import engine, load_offloaded, load_plain, offload, with_lora  # noqa: E402
+from test_nodes import offload_handle, load_offloaded, load_plain, offload, with_lora  # noqa: E402
 
 SEED = 31
 STEPS = 2
@@ -67,7 +67,7 @@ def _since(before: tuple[int, int], device: torch.device) -> dict[str, int]:
 
 def _streaming(model, device: torch.device) -> dict[str, Any]:
     """What the last sampling run of an offloaded model streamed, and which host copies are pinned."""
-    handle = engine(model)
+    handle = offload_handle(model)
     stats = handle.stats()
     streamed = [g for g in handle.groups if not g.resident]
     return {
@@ -108,14 +108,14 @@ def offload_lifecycle(make_model: Callable[[], Any], expected: torch.Tensor, **s
         **_streaming(model, device),
         "loaded": _since(before, device),
     }
-    handle = weakref.ref(engine(model))
+    handle = weakref.ref(offload_handle(model))
     mm.unload_all_models()
-    facts["unloaded"] = {**_since(before, device), "engine_kept": engine(model) is handle(),
+    facts["unloaded"] = {**_since(before, device), "handle_kept": offload_handle(model) is handle(),
                          "onloaded_groups": sum(g.onloaded for g in handle().groups),
                          "slab_bytes": handle().stats()["slab_bytes"], "loaded_size": model.loaded_size()}
     del model
     gc.collect()
-    facts["freed"] = {**_since(before, device), "engine_alive": handle() is not None}
+    facts["freed"] = {**_since(before, device), "handle_alive": handle() is not None}
     return facts
 
 

@@ -48,7 +48,7 @@ def offload_quantized() -> dict:
     return {
         "dynamic": dynamic.is_dynamic(),
         "offloaded_dynamic": offloaded.is_dynamic(),
-        "host_bytes": offloaded.engine(torch.device("cpu")).stats()["host_bytes"],  # packs the host copies
+        "host_bytes": offloaded.handle(torch.device("cpu")).stats()["host_bytes"],  # packs the host copies
         "weight_types": sorted({type(p).__name__ for name, p in blocks.named_parameters() if name.endswith("to_q.weight")}),
     }
 

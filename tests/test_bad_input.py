@@ -124,7 +124,7 @@ def test_nan_and_infinite_resident_gb_fail_validation(comfy_server, node, value)
     assert body["error"]["type"] == "prompt_outputs_failed_validation"
     (error,) = body["node_errors"][node_id]["errors"]
     assert error["type"] == "custom_validation_failed"
-    assert error["details"] == f"resident_gb - resident_gb must be a number from 0 to 4096 (GB), got {value}"
+    assert error["details"] == f"resident_gb - resident_gb must be a finite number from 0 to 4096 (GB), got {value}"
     assert comfy_server.run(txt2img_workflow(name, seed=84))["status"]["status_str"] == "success", "the next prompt works"
 
 

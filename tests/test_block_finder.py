@@ -432,7 +432,7 @@ def test_offloaded_model_is_bit_identical_and_its_blocks_run_in_order(comfy, nam
         assert torch.equal(denoise(offloaded, tiny), expected)
         stats = pack_module("offload_core").handle_of(blocks[0]).stats()
         assert stats["groups"] == (len(blocks) + 1) // 2
-        assert stats["sync_onloads"] == stats["groups"], "every group ran through the engine"
+        assert stats["sync_onloads"] == stats["groups"], "every group ran through the handle"
         assert stats["copies_h2d"] == stats["groups"] + 1, "and the last one prefetched the first for the next pass"
         assert stats["bytes_d2h"] == 0
     finally:
@@ -625,7 +625,7 @@ def test_a_unet_is_refused_with_a_clear_message(comfy):
 
 @pytest.mark.parametrize("forward_raises", [False, True], ids=["forward_returns", "forward_raises"])
 def test_blocks_run_some_other_way_are_named_at_the_first_forward(comfy, monkeypatch, forward_raises):
-    """Without its entry methods, Wan Animate 2's blocks run past the engine, from host memory (on a GPU: a
+    """Without its entry methods, Wan Animate 2's blocks run past the handle, from host memory (on a GPU: a
     device mismatch): the first forward says so, as its error or as a note on the error it raised."""
     import comfy.model_management as mm
 

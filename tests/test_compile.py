@@ -188,7 +188,7 @@ def test_free_and_lora_change_leave_no_stale_graph(comfy_server):
 
     strong = run(0.8)
     assert comfy_server.post("/free", {"unload_models": True, "free_memory": False})[0] == 200
-    weak = run(0.3)  # the same compiled model (cached node outputs), a new engine, other LoRA weights
+    weak = run(0.3)  # the same compiled model (cached node outputs), a new handle, other LoRA weights
     torch.testing.assert_close(weak, run(0.3, compiled=False), rtol=1e-4, atol=1e-4)
     assert (weak - strong).abs().max() > 1e-2, "the strength must change the result"
 

@@ -134,7 +134,7 @@ def test_the_checker_catches_buffers_freed_while_a_copy_still_writes_them(checke
     """The negative control: a back-off that frees the streaming buffers without draining the copies."""
     _, offloaded, x = make_pair("cpu")
     handle = offload(offloaded, checker, resident_share=0.0, prefetch=2)
-    handle._finish_copies = lambda: None  # (not through monkeypatch: it would keep the engine past the checker)
+    handle._finish_copies = lambda: None  # (not through monkeypatch: it would keep the handle past the checker)
     with torch.inference_mode():
         offloaded(x)
         with out_of_memory_inside(offloaded.blocks[2], failures=1), pytest.raises(RaceError, match="once freed"):
@@ -158,7 +158,7 @@ def test_groups_that_stay_resident_keep_their_device_copy(checker):
     assert handle.stats()["copies_h2d"] == 8 + 1
 
 
-def test_out_of_memory_under_every_plan_names_them_and_leaves_the_engine_working(checker):
+def test_out_of_memory_under_every_plan_names_them_and_leaves_the_handle_working(checker):
     reference, offloaded, x = make_pair("cpu")
     handle = offload(offloaded, checker, prefetch=2)
     with torch.inference_mode():
@@ -174,7 +174,7 @@ def test_out_of_memory_under_every_plan_names_them_and_leaves_the_engine_working
         assert message.startswith("Group Offload: out of device memory under every plan it could fall back to: "
                                   "6 of 6 groups resident, prefetch 2")
         assert "-> 0 of 6 groups resident, prefetch 1 (" in message and message.endswith(". Try a smaller input.")
-        assert torch.equal(offloaded(x), expected), "the engine runs on under the last plan"
+        assert torch.equal(offloaded(x), expected), "the handle runs on under the last plan"
         handle.set_resident_bytes(sum(g.nbytes for g in handle.groups))
         assert (handle.residency().resident_groups, handle.prefetch, handle.backed_off) == (6, 2, False)
         assert torch.equal(offloaded(x), expected)

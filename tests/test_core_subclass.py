@@ -170,7 +170,7 @@ def test_weights_made_outside_inference_mode(quantize, checker):
     assert not offloaded.blocks[0].attn.weight.is_inference()
 
 
-def test_a_new_engine_adopts_the_packed_buffers(quantize):
+def test_a_new_handle_adopts_the_packed_buffers(quantize):
     reference, offloaded, x = quantized_pair(quantize)
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
     mirrors = [g.mirror.buffer.data_ptr() for g in handle.groups]

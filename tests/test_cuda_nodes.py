@@ -63,9 +63,9 @@ def check_lifecycle(facts: dict, device: torch.device) -> None:
     pinned = facts["streamed_bytes_per_pass"]
     assert facts["pinned_bytes"] == facts["patcher_pinned_bytes"] == pinned
     unloaded, freed = facts["unloaded"], facts["freed"]
-    assert unloaded["comfy_pinned"] == pinned and unloaded["engine_kept"], "unloading keeps the pinned host copies"
+    assert unloaded["comfy_pinned"] == pinned and unloaded["handle_kept"], "unloading keeps the pinned host copies"
     assert unloaded["onloaded_groups"] == unloaded["slab_bytes"] == unloaded["loaded_size"] == 0, "device memory returned"
-    assert freed["comfy_pinned"] == 0 and not freed["engine_alive"], "the pins go with the model"
+    assert freed["comfy_pinned"] == 0 and not freed["handle_alive"], "the pins go with the model"
     if device.type == "cuda":
         assert all(facts["streamed_page_locked"]), "the CUDA driver sees the streamed host copies page-locked"
         assert unloaded["device_allocated"] == freed["device_allocated"] == 0, "device memory as before the load"

@@ -18,7 +18,7 @@ import torch
 
 from comfy_boot import comfyui_path
 from run_nodes import run_txt2img
-from test_nodes import FOUR_BLOCKS, engine, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
+from test_nodes import FOUR_BLOCKS, offload_handle, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
 
 
 @pytest.fixture
@@ -41,13 +41,13 @@ def file_block_bytes() -> int:
 
 
 def mirror_dtypes(model) -> set[torch.dtype]:
-    return {s.dtype for g in engine(model).groups for s in g.mirror.segments}
+    return {s.dtype for g in offload_handle(model).groups for s in g.mirror.segments}
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e5m2"])
 def test_fp8_is_honoured_with_the_switch_on(models, aimdo_switch, weight_dtype):
     fp8 = load_offloaded(weight_dtype)
-    assert engine(fp8).stats()["host_bytes"] < 0.6 * file_block_bytes()
+    assert offload_handle(fp8).stats()["host_bytes"] < 0.6 * file_block_bytes()
     assert {torch.float8_e4m3fn, torch.float8_e5m2} & mirror_dtypes(fp8)
 
 
@@ -58,7 +58,7 @@ def test_fp8_through_the_node_with_the_switch_on(models, aimdo_switch):
     plain = comfy.sd.load_diffusion_model_state_dict(file_state_dict(), model_options={"dtype": torch.float8_e4m3fn})
     offloaded = offload(plain)
     offloaded.load(torch.device("cpu"), lowvram_model_memory=1 << 40, full_load=True)
-    assert engine(offloaded).stats()["host_bytes"] < 0.6 * file_block_bytes()
+    assert offload_handle(offloaded).stats()["host_bytes"] < 0.6 * file_block_bytes()
     offloaded.detach()
 
 

@@ -6,7 +6,7 @@ import gc
 import torch
 
 from run_nodes import run_node, run_txt2img
-from test_nodes import engine, load_plain, models, offload, with_lora  # noqa: F401  (models: fixture)
+from test_nodes import offload_handle, load_plain, models, offload, with_lora  # noqa: F401  (models: fixture)
 
 
 def with_shift(model, shift: float):
@@ -46,24 +46,24 @@ def test_lora_tensors_and_their_workspace_count_in_the_device_footprint(models):
 
     plain_offloaded = offload(load_plain())
     run_txt2img(plain_offloaded, seed=13)
-    groups_only = engine(plain_offloaded).device_bytes_needed()
+    groups_only = offload_handle(plain_offloaded).device_bytes_needed()
     lora = with_lora(plain_offloaded, 0.8)
     run_txt2img(lora, seed=13)
     tensors = block_lora_tensors(lora)
     largest = max(comfy.utils.get_attr(lora.model, key).numel() for key in tensors)
     expected = sum(t.nbytes for ts in tensors.values() for t in ts) + 3 * largest * 4  # fp32 temporaries
-    assert engine(lora).device_bytes_needed() == groups_only + expected
+    assert offload_handle(lora).device_bytes_needed() == groups_only + expected
     other = lora.model_size() - groups_only - expected
-    assert lora.loaded_size() == other + engine(lora).device_bytes_needed()
+    assert lora.loaded_size() == other + offload_handle(lora).device_bytes_needed()
 
 
 def test_block_patches_move_the_lora_tensors_to_the_device_once(models):
     from pack_modules import pack_module
 
-    patcher = pack_module("nodes.patcher")
+    lora_module = pack_module("nodes.lora")
     lora = with_lora(offload(load_plain()), 0.8)
     originals = block_lora_tensors(lora)
-    patches = patcher.BlockPatches(lora.model, lora._block_patches(), torch.device("meta"))
+    patches = lora_module.BlockPatches(lora.model, lora._block_patches(), torch.device("meta"))
     assert sorted(patches.keys()) == sorted(originals)
     for key, moved in patches._patches.items():
         adapter = moved[0][1]

@@ -47,7 +47,7 @@ def raw_block_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*blocks.parameters(), *blocks.buffers()))
 
 
-def engine(model):
+def offload_handle(model):
     return pack_module("offload_core").handle_of(model.model.diffusion_model.transformer_blocks[0])
 
 
@@ -67,9 +67,9 @@ SETTINGS = [
 def test_latent_is_bit_identical(models, via, options):
     expected = run_txt2img(load_plain(), seed=7, steps=3).latent
     model = offload(load_plain(), **options) if via == "node" else load_offloaded(**options)
-    for _ in range(2):  # a second run reuses the loaded engine
+    for _ in range(2):  # a second run reuses the loaded handle
         assert torch.equal(run_txt2img(model, seed=7, steps=3).latent, expected)
-    stats = engine(model).stats()
+    stats = offload_handle(model).stats()
     streamed = stats["groups"] - stats["resident_groups"]
     assert stats["bytes_d2h"] == 0
     assert (stats["bytes_h2d"] > 0) == (streamed > 0), "resident groups are copied once, at load"
@@ -113,11 +113,11 @@ def test_lora_gives_the_same_latent(models, order):
 def test_lora_strength_change_reuses_the_pristine_mirrors(models):
     offloaded = offload(load_plain())
     run_txt2img(offloaded, seed=4)
-    mirrors = [(g.mirror.buffer.data_ptr(), g.mirror.buffer.clone()) for g in engine(offloaded).groups]
+    mirrors = [(g.mirror.buffer.data_ptr(), g.mirror.buffer.clone()) for g in offload_handle(offloaded).groups]
     for strength in (0.8, 0.3):
         expected = run_txt2img(with_lora(load_plain(), strength), seed=4).latent
         assert torch.equal(run_txt2img(with_lora(offloaded, strength), seed=4).latent, expected)
-        groups = engine(offloaded).groups
+        groups = offload_handle(offloaded).groups
         assert [g.mirror.buffer.data_ptr() for g in groups] == [p for p, _ in mirrors], "no reload, no repack"
         assert all(torch.equal(g.mirror.buffer, before) for g, (_, before) in zip(groups, mirrors))
 
@@ -128,22 +128,22 @@ def test_fp8_mirrors_move_half_the_bytes(models, weight_dtype):
     model = load_offloaded(weight_dtype)
     assert torch.equal(run_txt2img(model, seed=5).latent, expected)
     bf16 = load_offloaded()
-    fp8_bytes, bf16_bytes = engine(model).stats()["host_bytes"], engine(bf16).stats()["host_bytes"]
+    fp8_bytes, bf16_bytes = offload_handle(model).stats()["host_bytes"], offload_handle(bf16).stats()["host_bytes"]
     assert fp8_bytes < 0.6 * bf16_bytes
-    assert {s.dtype for g in engine(model).groups for s in g.mirror.segments} & {torch.float8_e4m3fn, torch.float8_e5m2}
+    assert {s.dtype for g in offload_handle(model).groups for s in g.mirror.segments} & {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
-def test_unloading_keeps_the_engine_without_device_memory_and_host_memory_flat(models):
+def test_unloading_keeps_the_handle_without_device_memory_and_host_memory_flat(models):
     import comfy.model_management as mm
 
     model = offload(load_plain(), residency="budget", resident_gb=0.0006)  # one group resident
     expected = run_txt2img(model, seed=6).latent
-    handle = engine(model)
+    handle = offload_handle(model)
     host_bytes = handle.stats()["host_bytes"]
     blocks = model.model.diffusion_model.transformer_blocks
     for _ in range(3):
         mm.unload_all_models()
-        assert engine(model) is handle, "the packed (and pinned) mirrors stay for the next load"
+        assert offload_handle(model) is handle, "the packed (and pinned) mirrors stay for the next load"
         assert not any(g.onloaded for g in handle.groups) and model.loaded_size() == 0
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in blocks.parameters()}
         assert sum(storages.values()) == host_bytes, "weights stay packed, once, in host memory"
@@ -156,7 +156,7 @@ def test_plain_clone_after_offloaded_one_is_not_half_offloaded(models):
     offloaded = offload(plain)
     assert torch.equal(run_txt2img(offloaded, seed=8).latent, expected)
     assert torch.equal(run_txt2img(plain, seed=8).latent, expected)
-    assert engine(plain) is None and engine(offloaded) is None
+    assert offload_handle(plain) is None and offload_handle(offloaded) is None
 
 
 def test_applying_twice_reconfigures(models):
@@ -164,7 +164,7 @@ def test_applying_twice_reconfigures(models):
     expected = run_txt2img(once, seed=9).latent
     twice = offload(once, prefetch=2, blocks_per_group=2)
     assert torch.equal(run_txt2img(twice, seed=9).latent, expected)
-    handle = engine(twice)
+    handle = offload_handle(twice)
     assert (handle.config.prefetch, len(handle.groups)) == (2, 2)
 
 
@@ -190,16 +190,17 @@ MB = 2**20
     ("auto", 0.0, 0, True, 20 * MB, 0),
 ])
 def test_resident_budget(residency, gb, budget, full_load, free, expected):
-    memory = pack_module("nodes.memory")
-    settings = memory.OffloadSettings(residency=residency, resident_gb=gb)
-    assert memory.resident_budget(settings, budget, full_load, 100 * MB, 50 * MB, free) == expected
+    memory, settings = pack_module("nodes.memory"), pack_module("nodes.settings")
+    chosen = settings.OffloadSettings(residency=residency, resident_gb=gb)  # prefetch 1: two 25 MB slabs
+    plan = memory.plan_blocks(chosen, [25 * MB] * 3, free, other_bytes=100 * MB, granted_bytes=None if full_load else budget)
+    assert plan.resident_bytes == expected
 
 
 def test_load_with_a_given_budget_keeps_what_fits_and_accounts_it(models):
     model = offload(load_plain(), residency="auto", prefetch=1)
     device = torch.device("cpu")
     model.load(device, lowvram_model_memory=1 << 40, full_load=True)
-    handle = engine(model)
+    handle = offload_handle(model)
     group = handle.groups[0].nbytes
     other = model.model_size() - handle.stats()["host_bytes"]  # auto on the CPU asks for all of it
     for fitting_groups in (0, 1, 2):
@@ -215,6 +216,6 @@ def test_fixed_plans_ask_comfyui_only_for_what_they_use(models):
     model = offload(load_plain(), residency="stream_all", prefetch=1)
     plain_size = load_plain().model_size()
     run_txt2img(model, seed=10)
-    handle = engine(model)
+    handle = offload_handle(model)
     assert model.model_size() == plain_size - raw_block_bytes(model) + 2 * handle.groups[0].nbytes  # two slabs
     assert model.loaded_size() == model.model_size()

@@ -19,7 +19,7 @@ from live_server import txt2img_workflow
 from run_nodes import run_node, run_txt2img
 from fake_cudart import give_device_memory
 from pack_modules import pack_module
-from test_nodes import engine, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
+from test_nodes import offload_handle, load_offloaded, load_plain, models, offload  # noqa: F401  (models: fixture)
 from test_nodes_api import pixels, report_of, with_report
 
 BACK_OFF_LINE = "the GPU ran out of memory"
@@ -56,11 +56,11 @@ def test_an_out_of_memory_in_the_first_forward_backs_off_once_and_keeps_the_late
 
 @pytest.mark.parametrize("residency", ["auto", "stream_all"])
 def test_backing_off_in_a_later_step_under_the_stream_checker(models, checker, monkeypatch, residency):
-    """The engine streams through the checker's runtime (a side stream, events, device allocations); the
+    """The handle streams through the checker's runtime (a side stream, events, device allocations); the
     second step's forward runs out of memory at block 2, where every group streaming has the next
     groups' copies in flight and every group resident has its own device buffer to give back."""
-    patcher = pack_module("nodes.patcher")
-    monkeypatch.setattr(patcher, "apply_group_offload", functools.partial(patcher.apply_group_offload, runtime=checker))
+    handles = pack_module("nodes.handles")
+    monkeypatch.setattr(handles, "apply_group_offload", functools.partial(handles.apply_group_offload, runtime=checker))
     expected = run_txt2img(load_plain(), seed=7, steps=3).latent
     model = offload(load_plain(), residency=residency, prefetch=2)
     latent = run_txt2img(out_of_memory_at(model, block=2, after=1), seed=7, steps=3).latent
@@ -82,7 +82,7 @@ def test_out_of_memory_under_every_plan_raises_what_was_tried_and_the_model_runs
                               "4 of 4 groups resident, prefetch 2")
     assert "ComfyUI estimates this run's activations at" in message and "with prefetch 0 the model needs" in message
     assert torch.equal(run_txt2img(model, seed=8).latent, expected)
-    assert engine(model).residency().resident_groups == 4
+    assert offload_handle(model).residency().resident_groups == 4
 
 
 def test_a_plain_models_out_of_memory_is_left_to_comfyui(models):
@@ -101,7 +101,7 @@ class Card:
         import comfy.model_management as mm
 
         self.model = offload(load_plain(), residency="auto", prefetch=1)
-        self.group_bytes = [g.nbytes for g in self.model.engine(torch.device("cpu")).groups]  # packs the host copies
+        self.group_bytes = [g.nbytes for g in self.model.handle(torch.device("cpu")).groups]  # packs the host copies
         self.buffers = 2 * max(self.group_bytes)
         self.free = int(self.reserve(64) + self.buffers + 2.5 * self.group_bytes[0])
         give_device_memory(monkeypatch.setattr, free=self.free, total=self.free, device_type="cpu")

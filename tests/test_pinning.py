@@ -1,5 +1,5 @@
 """Pinning through ComfyUI's own pin_memory (under a CUDA-runtime stand-in), its accounting, and the
-engine's life across unloads: two offloaded models taking turns, another device, the VRAM flags."""
+handle's life across unloads: two offloaded models taking turns, another device, the VRAM flags."""
 from __future__ import annotations
 
 import gc
@@ -12,13 +12,13 @@ import fixture_models
 import live_server
 from fake_cudart import give_device_memory
 from run_nodes import make_test_conditioning, run_node, run_txt2img
-from test_nodes import engine, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
+from test_nodes import offload_handle, load_offloaded, load_plain, models, offload, raw_block_bytes  # noqa: F401 (models is a fixture)
 
 SECOND_MODEL = "tiny_qwen_image_4_blocks_second.safetensors"
 
 
 def pins(handle) -> list[int]:
-    """Sizes of the mirrors the engine holds pinned, in group order."""
+    """Sizes of the mirrors the handle holds pinned, in group order."""
     return [g.nbytes for g in handle.groups if g.mirror.pinned]
 
 
@@ -26,7 +26,7 @@ def streamed(handle) -> list[int]:
     return [g.nbytes for g in handle.groups if not g.resident]
 
 
-# --- the engine's pinning policy, on its own ------------------------------------------------
+# --- the handle's pinning policy, on its own ------------------------------------------------
 
 class RecordingPinner:
     """A Pinner that refuses the calls whose (1-based) numbers are given."""
@@ -45,7 +45,7 @@ class RecordingPinner:
         self.pinned.remove(buffer.data_ptr())
 
 
-def test_the_engine_pins_streamed_groups_past_a_refusal_and_unpins_resident_ones():
+def test_the_handle_pins_streamed_groups_past_a_refusal_and_unpins_resident_ones():
     from offload_core import apply_group_offload
 
     blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
@@ -79,7 +79,7 @@ def test_the_streamed_groups_are_pinned_through_comfyui(models, fake_cudart, via
     else:
         model = load_offloaded(**options)
     assert torch.equal(run_txt2img(model, seed=11).latent, expected)
-    handle = engine(model)
+    handle = offload_handle(model)
     stats = handle.stats()
     assert len(streamed(handle)) == streamed_groups
     assert pins(handle) == streamed(handle), "exactly the streamed groups are pinned"
@@ -103,13 +103,13 @@ def test_a_refused_pin_does_not_stop_the_others_and_is_reported(models, monkeypa
     expected = run_txt2img(load_plain(), seed=14).latent
     probe = offload(load_plain(), residency="stream_all")
     run_txt2img(probe, seed=14)
-    group_bytes = engine(probe).groups[0].nbytes
+    group_bytes = offload_handle(probe).groups[0].nbytes
     limit = int(2.5 * group_bytes)  # 0.3.75 refuses past its limit; newest lets the driver refuse
     fake = install(monkeypatch.setattr, comfy_pin_limit=limit, driver_limit=limit)
     model = offload(load_plain(), residency="stream_all")
     with caplog.at_level(logging.WARNING):
         assert torch.equal(run_txt2img(model, seed=14).latent, expected)
-    handle = engine(model)
+    handle = offload_handle(model)
     assert pins(handle) == [group_bytes] * 2 and fake.registered_bytes == 2 * group_bytes
     assert handle.stats()["pinned_bytes"] == 2 * group_bytes
     warning = next(r.getMessage() for r in caplog.records if "pinned-memory limit" in r.getMessage())
@@ -129,7 +129,7 @@ def test_the_pack_keeps_comfyuis_pinned_limit_itself(models, monkeypatch):
     fake = install(monkeypatch.setattr, comfy_pin_limit=limit)
     model = offload(load_plain(), residency="stream_all")
     assert torch.equal(run_txt2img(model, seed=15).latent, expected)
-    assert len(pins(engine(model))) == 2 and fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
+    assert len(pins(offload_handle(model))) == 2 and fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
 
 
 def test_past_the_limit_the_least_recently_run_model_gives_its_pins_first(models, monkeypatch):
@@ -143,8 +143,8 @@ def test_past_the_limit_the_least_recently_run_model_gives_its_pins_first(models
     fake = install(monkeypatch.setattr, comfy_pin_limit=limit)
     for model, other in ((first, second), (second, first), (first, second)):
         assert torch.equal(run_txt2img(model, seed=16).latent, expected)
-        assert len(pins(engine(model))) == 4, "the model that runs gets every streamed group pinned"
-        assert engine(other) is None or len(pins(engine(other))) == 1, "the other keeps only what still fits"
+        assert len(pins(offload_handle(model))) == 4, "the model that runs gets every streamed group pinned"
+        assert offload_handle(other) is None or len(pins(offload_handle(other))) == 1, "the other keeps only what still fits"
         assert fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
 
 
@@ -155,15 +155,15 @@ def test_unloading_keeps_the_pins_and_gives_the_device_memory_back(models, fake_
 
     model = offload(load_plain(), residency="stream_all")
     expected = run_txt2img(model, seed=15).latent
-    handle = engine(model)
+    handle = offload_handle(model)
     buffers = [g.mirror.buffer.data_ptr() for g in handle.groups]
     mm.unload_all_models()
-    assert engine(model) is handle and not any(g.onloaded for g in handle.groups)
+    assert offload_handle(model) is handle and not any(g.onloaded for g in handle.groups)
     assert fake_cudart.registered_bytes == sum(streamed(handle)), "pins kept: loading again costs only device copies"
     registrations = len(fake_cudart.sizes("register"))
     assert torch.equal(run_txt2img(model, seed=15).latent, expected)
     assert len(fake_cudart.sizes("register")) == registrations and not fake_cudart.sizes("unregister")
-    assert [g.mirror.buffer.data_ptr() for g in engine(model).groups] == buffers
+    assert [g.mirror.buffer.data_ptr() for g in offload_handle(model).groups] == buffers
 
 
 def test_releasing_ram_unpins_and_the_next_load_pins_again(models, fake_cudart):
@@ -187,7 +187,7 @@ def test_a_plain_patcher_taking_over_leaves_nothing_registered(models, fake_cuda
     run_txt2img(offloaded, seed=17)
     assert fake_cudart.registered_bytes > 0
     run_txt2img(plain, seed=17)
-    assert engine(plain) is None
+    assert offload_handle(plain) is None
     assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY
     assert len(fake_cudart.sizes("register")) == len(fake_cudart.sizes("unregister")) == 4
 
@@ -197,12 +197,12 @@ def test_new_settings_repin_only_what_streams_then(models, fake_cudart):
     run_txt2img(once, seed=18)
     twice = offload(once, residency="budget", resident_gb=0.0012, blocks_per_group=2)
     run_txt2img(twice, seed=18)
-    assert sorted(fake_cudart.registered.values()) == sorted(streamed(engine(twice))) == sorted(pins(engine(twice)))
+    assert sorted(fake_cudart.registered.values()) == sorted(streamed(offload_handle(twice))) == sorted(pins(offload_handle(twice)))
 
 
 @pytest.mark.parametrize("via", ["node", "loader"])
 def test_a_dropped_model_leaves_nothing_registered_without_a_garbage_collection(models, fake_cudart, via):
-    """ComfyUI drops a model by dropping its last reference (its cache, POST /free): the engine and its pins
+    """ComfyUI drops a model by dropping its last reference (its cache, POST /free): the handle and its pins
     go with it, not at a later garbage collection, whose time depends on allocation counts."""
     import comfy.model_management as mm
 
@@ -315,7 +315,7 @@ def test_unload_models_alone_keeps_the_pins_of_a_cached_model(server):
 @pytest.mark.parametrize("node", ["GroupOffload", "GroupOffloadLoader"])
 def test_new_settings_leave_only_the_new_plans_pins(server, node):
     """The node's settings changed: ComfyUI's classic cache drops the old output at the next prompt. On the
-    node, the new clone drives the same engine, pinning one group fewer; on the loader, the old model goes
+    node, the new clone drives the same handle, pinning one group fewer; on the loader, the old model goes
     with its pins, before the new one pins its own."""
     def workflow(options: dict) -> dict:
         if node == "GroupOffload":
@@ -381,14 +381,14 @@ def test_two_offloaded_models_take_turns_with_device_copies_only(models, second_
     high = offload(load_plain(), residency="stream_all")
     low = offload(run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0], residency="stream_all")
     assert torch.equal(two_expert_run(high, low, switch=unload_everything), expected)
-    handles = engine(high), engine(low)
+    handles = offload_handle(high), offload_handle(low)
     buffers = [g.mirror.buffer.data_ptr() for h in handles for g in h.groups]
     registrations = len(fake_cudart.sizes("register"))
     assert registrations == 8 and fake_cudart.registered_bytes == sum(h.stats()["host_bytes"] for h in handles)
     host_one, host_two = host_storage_bytes(high), host_storage_bytes(high, low)
     for _ in range(2):  # two more prompts: every sampler finds the other model unloaded
         assert torch.equal(two_expert_run(high, low, switch=unload_everything), expected)
-    assert (engine(high), engine(low)) == handles, "no engine rebuilt"
+    assert (offload_handle(high), offload_handle(low)) == handles, "no handle rebuilt"
     assert [g.mirror.buffer.data_ptr() for h in handles for g in h.groups] == buffers, "nothing re-packed"
     assert len(fake_cudart.sizes("register")) == registrations and not fake_cudart.sizes("unregister"), "nothing re-pinned"
     assert host_storage_bytes(high, low) == host_two and host_storage_bytes(high) == host_one
@@ -401,7 +401,7 @@ def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(mod
 
     high_plain, low_plain = load_plain(), run_node("UNETLoader", unet_name=second_model, weight_dtype="default").outputs[0]
     expected = two_expert_run(high_plain, low_plain)
-    group = offload(load_plain()).engine(torch.device("cpu")).groups[0].nbytes
+    group = offload(load_plain()).handle(torch.device("cpu")).groups[0].nbytes
     limit = int(5.5 * group)  # room for one model's four groups, not for both
     fake = install(monkeypatch.setattr, comfy_pin_limit=limit, driver_limit=limit)
     high = offload(load_plain(), residency="stream_all")
@@ -410,14 +410,14 @@ def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(mod
 
     def switch() -> None:
         unload_everything()
-        pinned_groups.append(tuple(len(pins(engine(m))) if engine(m) else 0 for m in (high, low)))
+        pinned_groups.append(tuple(len(pins(offload_handle(m))) if offload_handle(m) else 0 for m in (high, low)))
 
     for _ in range(2):
         assert torch.equal(two_expert_run(high, low, switch=switch), expected)
         assert fake.registered_bytes == mm.TOTAL_PINNED_MEMORY <= limit
     # Each model, while it ran, held all its pins; the other gave up only what did not fit beside them.
     assert pinned_groups == [(0, 0), (4, 0), (1, 4), (4, 1)]
-    assert len(pins(engine(low))) == 4 and len(pins(engine(high))) == 1
+    assert len(pins(offload_handle(low))) == 4 and len(pins(offload_handle(high))) == 1
 
 
 # --- another device, and the VRAM flags -----------------------------------------------------
@@ -427,14 +427,14 @@ def test_past_the_limit_the_running_model_takes_the_pins_of_the_unloaded_one(mod
 GPU = torch.device("meta")
 
 
-def test_loading_on_another_device_rebuilds_the_engine_on_the_same_host_buffers(models, monkeypatch):
+def test_loading_on_another_device_rebuilds_the_handle_on_the_same_host_buffers(models, monkeypatch):
     give_device_memory(monkeypatch.setattr, free=1 << 40)
     model = offload(load_plain(), residency="stream_all")
     model.load(torch.device("cpu"), lowvram_model_memory=1 << 40, full_load=True)
-    first = engine(model)
+    first = offload_handle(model)
     buffers = [g.mirror.buffer.data_ptr() for g in first.groups]
     model.load(GPU, lowvram_model_memory=1 << 40, full_load=True)  # as cuda:1 after cuda:0
-    second = engine(model)
+    second = offload_handle(model)
     assert second is not first and second.config.onload_device == GPU
     assert [g.mirror.buffer.data_ptr() for g in second.groups] == buffers, "the packed host buffers are adopted"
     second.release_device_memory()
@@ -467,18 +467,18 @@ def test_auto_stays_within_the_really_free_memory_under_each_vram_flag(models, m
     for name, value in FLAGS[flag].items():
         monkeypatch.setattr(mm, name, getattr(mm.VRAMState, value) if name == "vram_state" else value)
     give_device_memory(monkeypatch.setattr, free=0)
-    group = model.engine(GPU).groups[0].nbytes
+    group = model.handle(GPU).groups[0].nbytes
     other = mm.module_size(model.model) - raw_block_bytes(model)
     free = mm.minimum_inference_memory() + other + 2 * group + int(free_groups * group)  # beside the 2 slabs
     give_device_memory(monkeypatch.setattr, free)
-    handle = model.engine(GPU)
+    handle = model.handle(GPU)
     monkeypatch.setattr(handle, "onload_resident", lambda: None)  # a meta tensor cannot back a CPU Parameter
     try:
         mm.load_models_gpu([model])
         stats = handle.stats()
         assert stats["resident_groups"] == (0 if flag == "--novram" else int(free_groups))
         assert stats["resident_bytes"] + 2 * group <= free - mm.minimum_inference_memory() - other
-        assert engine(model) is handle
+        assert offload_handle(model) is handle
         assert all(g.mirror.buffer.device.type == "cpu" for g in handle.groups), "host mirrors stay on the CPU"
         assert all(p.device.type == "cpu" for p in model.model.diffusion_model.transformer_blocks.parameters()), \
             "ComfyUI's own load does not move the blocks"
@@ -507,12 +507,12 @@ def test_pins_are_counted_once(models, fake_cudart, monkeypatch):
     for device memory): the streamed groups, already pinned, must not be in it."""
     import comfy.model_management as mm
 
-    group = offload(load_plain(), residency="auto").engine(torch.device("cpu")).groups[0].nbytes  # all resident
+    group = offload(load_plain(), residency="auto").handle(torch.device("cpu")).groups[0].nbytes  # all resident
     model = offload(load_plain(), residency="auto", prefetch=1)
     model.load_device = GPU
     other = mm.module_size(model.model) - raw_block_bytes(model)
     give_device_memory(monkeypatch.setattr, free=0, total=mm.minimum_inference_memory() + other + 2 * group + int(1.5 * group))
-    handle = model.engine(GPU)  # plans against the device's whole memory: one group resident, three streamed
+    handle = model.handle(GPU)  # plans against the device's whole memory: one group resident, three streamed
     assert pins(handle) == streamed(handle) == [group] * 3
     assert model.pinned_memory_size() == 3 * group == fake_cudart.registered_bytes
     assert model.model_size() == other + group + 2 * group, "the rest, one resident group and two slabs"

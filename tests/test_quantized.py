@@ -13,7 +13,7 @@ from deprecations import pack_deprecations
 from lora_fixture import make_lora
 from pack_modules import pack_module
 from quantized_files import QUANT_FORMATS, cpu_skip_reason, quantized_qwen_file
-from test_nodes import LORA, engine
+from test_nodes import LORA, offload_handle
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
 
 
@@ -96,8 +96,8 @@ def test_latent_is_bit_identical_and_streamed_at_the_quantized_size(files, fmt, 
     assert {type(p).__name__ for p in quantized(plain).values()} <= {type(p).__name__ for p in weights.values()}
     for _ in range(2):
         assert torch.equal(run_txt2img(model, seed=7, steps=3).latent, expected)
-    stats = engine(model).stats()
-    segments = sum(len(g.mirror.segments) for g in engine(model).groups)
+    stats = offload_handle(model).stats()
+    segments = sum(len(g.mirror.segments) for g in offload_handle(model).groups)
     assert packed_block_bytes(model) <= stats["host_bytes"] < packed_block_bytes(model) + 256 * segments, \
         "data and scales, each aligned"
     assert stats["bytes_d2h"] == 0
@@ -112,7 +112,7 @@ def test_latent_is_bit_identical_and_streamed_at_the_quantized_size(files, fmt, 
 def test_one_pass_moves_the_quantized_bytes(files, fmt):
     model = offload(load_plain(fmt))
     run_txt2img(model, seed=1, steps=1)
-    handle = engine(model)
+    handle = offload_handle(model)
     handle.reset_stats()
     run_txt2img(model, seed=1, steps=2)
     stats = handle.stats()
@@ -135,9 +135,9 @@ def test_lora_on_quantized_layers_gives_comfyuis_latent(files, fmt, order):
     assert not torch.equal(expected, run_txt2img(load_plain(fmt), seed=3).latent), "the LoRA must change the result"
     model = LORA_ORDERS[order](fmt)
     assert torch.equal(run_txt2img(model, seed=3).latent, expected)
-    mirrors = [g.mirror.buffer.clone() for g in engine(model).groups]
+    mirrors = [g.mirror.buffer.clone() for g in offload_handle(model).groups]
     run_txt2img(model, seed=3)
-    assert all(torch.equal(g.mirror.buffer, m) for g, m in zip(engine(model).groups, mirrors)), "mirrors pristine"
+    assert all(torch.equal(g.mirror.buffer, m) for g, m in zip(offload_handle(model).groups, mirrors)), "mirrors pristine"
 
 
 @pytest.mark.parametrize("order", ["lora_then_offload", "offload_then_lora"])
@@ -163,15 +163,15 @@ def test_unloading_keeps_the_quantized_parameters(files, fmt):
     weights = block_weights(model)
     for _ in range(2):
         assert torch.equal(run_txt2img(model, seed=5).latent, expected)
-        mm.unload_all_models()  # ComfyUI moves the model to its offload device: the blocks are the engine's
+        mm.unload_all_models()  # ComfyUI moves the model to its offload device: the blocks are the handle's
     after = block_weights(model)
     assert all(after[name] is weights[name] for name in weights), "no Parameter replaced by ComfyUI's model.to()"
-    groups = engine(model).groups
+    groups = offload_handle(model).groups
     assert all(any(b.param is p for g in groups for b in g.bindings) for p in after.values())
 
 
 class GGMLTensor(torch.Tensor):
-    """What ComfyUI-GGUF's weights are to the engine: a plain tensor subclass, no wrapper protocol."""
+    """What ComfyUI-GGUF's weights are to the handle: a plain tensor subclass, no wrapper protocol."""
 
 
 def test_gguf_weights_are_refused_naming_the_format(files):
@@ -194,7 +194,7 @@ def test_the_quantized_host_copies_are_pinned_through_comfyui(files, fake_cudart
     expected = run_txt2img(load_plain(fmt), seed=9).latent
     model = offload(load_plain(fmt)) if via == "node" else load_offloaded(fmt)
     assert torch.equal(run_txt2img(model, seed=9).latent, expected)
-    groups = engine(model).groups
+    groups = offload_handle(model).groups
     assert sorted(fake_cudart.registered.values()) == sorted(g.nbytes for g in groups), "each packed copy, in place"
     assert fake_cudart.registered_bytes == mm.TOTAL_PINNED_MEMORY == model.pinned_memory_size()
     segments = sum(len(g.mirror.segments) for g in groups)

@@ -18,5 +18,5 @@ def test_random_api_runs_match_plain_and_free_gives_everything_back(comfy_server
     assert result.runs == RUNS and result.compared + result.interrupted == RUNS
     assert result.interrupted >= 1 and result.frees >= 1, "the seed must draw interrupts and frees"
     live = result.live_after_free
-    assert (live["engines"], live["host_mirrors"], live["offload_patchers"], live["diffusion_models"]) == (0, 0, 0, 0)
+    assert (live["handles"], live["host_mirrors"], live["offload_patchers"], live["diffusion_models"]) == (0, 0, 0, 0)
     assert result.rss_drift <= 0.05, f"RSS {result.rss_first_load} -> {result.rss_after_free} bytes"

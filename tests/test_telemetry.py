@@ -82,7 +82,7 @@ class TinyDiT(nn.Module):
 
 @pytest.fixture
 def tiny_offloaded(comfy):
-    """A TinyDiT whose blocks all stream (no residency, no prefetch), and its engine handle."""
+    """A TinyDiT whose blocks all stream (no residency, no prefetch), and its handle."""
     offload_core = pack_module("offload_core")
     model = TinyDiT()
     handle = offload_core.apply_group_offload(model, model.blocks, "cpu", prefetch=0, resident_bytes=0)

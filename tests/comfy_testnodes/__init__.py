@@ -104,17 +104,17 @@ class GroupOffloadTestConditioning:
 
 
 def live_objects() -> dict[str, int]:
-    """After a full garbage collection: the pack's engines and host mirrors still alive (found by type
+    """After a full garbage collection: the pack's handles and host mirrors still alive (found by type
     name, so that no module of the pack is imported twice), ComfyUI's diffusion models, and the RSS."""
     import comfy.model_base
 
     gc.collect()
-    counts = {"engines": 0, "onloaded_groups": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "offload_patchers": 0,
+    counts = {"handles": 0, "onloaded_groups": 0, "host_mirrors": 0, "host_mirror_bytes": 0, "offload_patchers": 0,
               "diffusion_models": 0}
     for obj in gc.get_objects():
         kind = type(obj).__name__
         if kind == "GroupOffloadHandle":
-            counts["engines"] += 1
+            counts["handles"] += 1
             counts["onloaded_groups"] += sum(group.onloaded for group in obj.groups)
         elif kind == "HostMirror":
             counts["host_mirrors"] += 1
@@ -134,7 +134,7 @@ class GroupOffloadTestLiveObjects:
 
     TITLE = "Live Objects (Group Offload tests)"
     CATEGORY = "testing/group_offload"
-    DESCRIPTION = "Counts the pack's live engines and host mirrors, ComfyUI's diffusion models and the RSS."
+    DESCRIPTION = "Counts the pack's live handles and host mirrors, ComfyUI's diffusion models and the RSS."
     RETURN_TYPES = ()
     FUNCTION = "count"
     OUTPUT_NODE = True
