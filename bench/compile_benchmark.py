@@ -35,14 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path += [str(REPO_ROOT / "tests"), str(BENCH_DIR)]
+import torch
 
-import torch  # noqa: E402
-
-from cpu_benchmark import ForwardLog  # noqa: E402
-from reporting import fmt, markdown_table, replace_section  # noqa: E402
+from bench_paths import REPO_ROOT
+from cpu_benchmark import ForwardLog
+from reporting import fmt, markdown_table, replace_section
 
 log = logging.getLogger("compile_benchmark")
 

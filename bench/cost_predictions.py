@@ -8,12 +8,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))
-
-from cost_model import GB, Scenario, implied_bandwidths, pack_scenarios, seed_scenarios  # noqa: E402
-from reporting import fmt, markdown_table, replace_section  # noqa: E402
+import bench_paths  # noqa: F401  (puts the repository root on sys.path for cost_model)
+from cost_model import GB, Scenario, implied_bandwidths, pack_scenarios, seed_scenarios
+from reporting import fmt, markdown_table, replace_section
 
 SECTION = "Cost model"
 COMMAND = "python3 bench/cost_predictions.py --write"

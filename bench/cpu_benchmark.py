@@ -41,19 +41,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path += [str(REPO_ROOT / "tests"), str(REPO_ROOT)]
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import hook_overhead  # noqa: E402
-from copy_back import CopyBackOffload  # noqa: E402
-from cost_model import pass_seconds  # noqa: E402
-from host_memory import peak_rss_bytes, reset_peak, rss_bytes  # noqa: E402
-from offload_core.mirror import ALIGNMENT  # noqa: E402
-from reporting import fmt, markdown_table, replace_section  # noqa: E402
+import hook_overhead
+from bench_paths import REPO_ROOT
+from copy_back import CopyBackOffload
+from cost_model import pass_seconds
+from host_memory import peak_rss_bytes, reset_peak, rss_bytes
+from offload_core.mirror import ALIGNMENT
+from reporting import fmt, markdown_table, replace_section
 
 log = logging.getLogger("cpu_benchmark")
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from comfy_boot import ARTIFACTS_DIR  # noqa: E402
-from live_server import ComfyServer, txt2img_workflow  # noqa: E402
+import bench_paths  # noqa: F401  (puts tests/ on sys.path)
+from comfy_boot import ARTIFACTS_DIR
+from live_server import ComfyServer, txt2img_workflow
 
 REPORT_ID = "11"
 

@@ -62,12 +62,9 @@ from typing import Any
 import torch
 from torch import nn
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path += [str(REPO_ROOT / "tests"), str(REPO_ROOT)]
-
-from copy_back import CopyBackOffload  # noqa: E402
-from reporting import fmt, markdown_table  # noqa: E402
+from bench_paths import REPO_ROOT
+from copy_back import CopyBackOffload
+from reporting import fmt, markdown_table
 
 log = logging.getLogger("gpu_benchmark")
 

@@ -37,17 +37,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO_ROOT))
-
-from offload_core import apply_group_offload  # noqa: E402
-from offload_core.group import HOST  # noqa: E402
-from reporting import fmt, markdown_table  # noqa: E402
+from bench_paths import REPO_ROOT
+from offload_core import apply_group_offload
+from offload_core.group import HOST
+from reporting import fmt, markdown_table
 
 log = logging.getLogger("hook_overhead")
 

@@ -11,17 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from hook_overhead import QwenLikeModel, quantize_linears  # noqa: E402
-from offload_core import apply_group_offload  # noqa: E402
-from reporting import markdown_table  # noqa: E402
+import bench_paths  # noqa: F401  (puts the repository root on sys.path)
+from hook_overhead import QwenLikeModel, quantize_linears
+from offload_core import apply_group_offload
+from reporting import markdown_table
 
 log = logging.getLogger("quantized_bytes")
 

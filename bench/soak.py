@@ -17,21 +17,18 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path += [str(BENCH_DIR.parent / "tests")]
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from live_server import ComfyServer  # noqa: E402
-from lora_fixture import make_lora  # noqa: E402
-from reporting import markdown_table, replace_section  # noqa: E402
+import bench_paths  # noqa: F401  (puts tests/ on sys.path)
+from live_server import ComfyServer
+from lora_fixture import make_lora
+from reporting import markdown_table, replace_section
 
 log = logging.getLogger("soak")
 

@@ -1,8 +1,8 @@
 """Booting ComfyUI in this process: where things are, ``import comfy`` / ``import nodes`` made to resolve
 to the ComfyUI checkout in use, its version, and :func:`boot_comfyui_in_process`.
 
-Importable from tests and from ``bench/`` scripts (put this folder on ``sys.path``). Importing it does
-not import ComfyUI; :func:`boot_comfyui_in_process` does.
+Importable from tests and from ``bench/`` scripts (``bench/bench_paths.py`` puts this folder on
+``sys.path``). Importing it does not import ComfyUI; :func:`boot_comfyui_in_process` does.
 """
 from __future__ import annotations
 
