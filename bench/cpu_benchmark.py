@@ -504,7 +504,7 @@ def cpu_section(results: dict[str, dict[str, Any]], micro: list[dict[str, Any]],
         "weights in float32 on the CPU. Figures per step are over the steps after the first; `× plain` is the "
         "median over a mode's runs of (its step ÷ the mean of the plain runs just before and after it: plain "
         "runs between every two modes); the copy-back baseline ran in the first round only. `cost model × plain` is "
-        "`offload_core.cost_model.pass_seconds` with plain's step time as compute and the copy rates measured in "
+        "`pass_seconds` of `bench/cost_model.py` with plain's step time as compute and the copy rates measured in "
         f"the same process ({_bandwidths(results)}), without overlap (a CPU copy does not overlap).",
         modes_table(results),
         "Peak RSS is net of the process's RSS before the model was loaded (ComfyUI and torch), ÷ the model's "

@@ -34,7 +34,8 @@ class ComfyPinner:
     mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
     ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: newest ComfyUI's ``pin_memory`` registers
     past it once it has evicted what it can of its own. Past the limit, other offloaded models give
-    their pins up first (see ``_make_pin_room``); what still does not fit stays in pageable memory.
+    their pins up first (see ``_make_pin_room``); what still does not fit stays in pageable memory and, on
+    a GPU, streams through the handle's pinned staging buffers.
     """
 
     def __init__(self, owner: nn.Module) -> None:
@@ -59,12 +60,15 @@ def warn_if_unpinned(handle: GroupOffloadHandle) -> None:
     pinned = [g for g in streamed if g.mirror.pinned]
     if len(pinned) == len(streamed) or not ComfyPinner.enabled():
         return
+    staging = handle.stats()["staging_bytes"]
+    route = (f"through {format_bytes(staging)} of pinned staging buffers (a host copy each, slower than a pinned group)"
+             if staging else "from pageable memory, with slower copies")
     log.warning("Group Offload: %d of %d streamed groups are pinned (%s of %s); ComfyUI's pinned-memory limit is %s, "
-                "%s of it in use. The others stream from pageable memory, with slower copies: unload other models, "
-                "load the model as fp8, or set residency to keep more groups on the GPU",
+                "%s of it in use. The others stream %s: unload other models, load the model as fp8, or set "
+                "residency to keep more groups on the GPU",
                 len(pinned), len(streamed), format_bytes(sum(g.nbytes for g in pinned)),
                 format_bytes(sum(g.nbytes for g in streamed)), format_bytes(mm.MAX_PINNED_MEMORY),
-                format_bytes(mm.TOTAL_PINNED_MEMORY))
+                format_bytes(mm.TOTAL_PINNED_MEMORY), route)
 
 
 # --- build -------------------------------------------------------------------------------------

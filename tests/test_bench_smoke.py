@@ -24,7 +24,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
                           timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert done.returncode == 0, done.stderr[-4000:]
     assert (out / "gpu_results.md").read_text().startswith("no GPU: --smoke")
-    assert done.stdout.count("RESULT ") >= 22, "one RESULT line per row, as each row ends"
+    assert done.stdout.count("RESULT ") >= 23, "one RESULT line per row, as each row ends"
     return json.loads((out / "gpu_results.json").read_text()), out
 
 
@@ -37,13 +37,14 @@ def test_every_row_ran(smoke):
     pack = _rows(results, "this pack")
     assert {(r["dtype"], r["mode"]) for r in pack} == {
         ("bf16", "auto"), ("bf16", "stream_all p1"), ("bf16", "stream_all p2"), ("bf16", "stream_all p1, pins refused"),
+        ("bf16", "stream_all p1, pins capped at 50% (staging ring)"),
         ("fp8", "auto"), ("fp8", "stream_all p1"), ("bf16, 1 blocks", "stream_all p1"),
         ("bf16, 1 blocks", "stream_all p1 + LoRA")}
     assert {r["family"] for r in pack if r["mode"].endswith("LoRA")} == {"lora", "lora-native"}
     assert len(_rows(results, "ComfyUI legacy")) == 4  # newest ComfyUI's own rows run legacy without CUDA: 2 + 1 + 1
     assert {r["dtype"] for r in _rows(results, "all resident")} == {"bf16", "fp8"}
     for row in results["rows"]:
-        if row["system"] != "diffusers":
+        if row["system"] != "diffusers" and "staging ring" not in row["mode"]:  # (pins need CUDA)
             assert row["skipped"] is None and row["seconds"] > 0, row
     assert not [name for name, family in results["families"].items() if "error" in family]
 
@@ -51,7 +52,7 @@ def test_every_row_ran(smoke):
 def test_the_ledgers_read_as_the_engine_promises(smoke):
     results, _ = smoke
     blocks = results["config"]["blocks"]
-    for row in _rows(results, "this pack"):
+    for row in (r for r in _rows(results, "this pack") if not r["skipped"]):
         assert row["d2h_bytes"] == 0
         if row["mode"].startswith("stream_all"):
             groups = blocks // 3 if row["family"].startswith("lora") else blocks  # a third of the blocks
