@@ -682,13 +682,13 @@ def lora_rows(family: str, config: BenchConfig, out: Path) -> None:
     config = replace(config, blocks=max(1, config.blocks // 3))
     plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
     dtype = f"bf16, {config.blocks} blocks"
-    settings = {"residency": "stream_all", "prefetch": 1}
+    settings, balloon = {"residency": "stream_all", "prefetch": 1}, Balloon(config.device)
     offload_row(Row(family, "this pack", "stream_all p1", dtype, None, note=allocator), plain, settings, config,
-                Balloon(config.device), out)
+                balloon, out)
     with_lora = comfy.sd.load_lora_for_models(plain, None, attention_lora(config), 0.8, 0)[0]
     note = f"{allocator}; LoRA rank {config.lora_rank} on {len(with_lora.patches)} weights"
     offload_row(Row(family, "this pack", "stream_all p1 + LoRA", dtype, None, note=note), with_lora, settings,
-                config, Balloon(config.device), out)
+                config, balloon, out)
 
 
 def attention_lora(config: BenchConfig) -> dict[str, torch.Tensor]:

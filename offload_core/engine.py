@@ -211,7 +211,7 @@ class GroupOffloadHandle:
             if group.resident:
                 group.mirror.unpin()  # first, so that the streamed ones can have what it held
         started = time.perf_counter()
-        refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
+        refused = self._pin_pageable_groups()
         if refused and self._runtime is not None:
             self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
             if any(g.mirror.pinned for g in self.groups):  # a limit, not a driver that pins nothing
@@ -234,10 +234,12 @@ class GroupOffloadHandle:
             self._staging = ring
             return
         self._runtime.discard_last_error()
-        for group in self.groups:  # no ring after all: the groups take their pins back
-            if not group.resident and not group.mirror.pinned:
-                self._pin(group)
+        self._pin_pageable_groups()  # no ring after all: the groups take their pins back
         self._runtime.discard_last_error()
+
+    def _pin_pageable_groups(self) -> int:
+        """Pin each streamed group not pinned yet; the bytes the pinner refused."""
+        return sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
 
     def _drop_staging(self) -> None:
         if self._staging is not None:
