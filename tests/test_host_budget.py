@@ -1,0 +1,101 @@
+"""The host budget (issue 23), measured: a 458 MB Qwen-Image-shaped model loaded through the Group Offload
+loader, through Load Diffusion Model + Group Offload, and by plain ComfyUI, each in a fresh process
+(host_budget_driver), sampled, and its anonymous host memory (RssAnon) read while it loads and samples.
+
+The model is float32, the dtype ComfyUI computes in on the CPU, so that what the file holds is what the
+blocks hold. Every group streams (``stream_all``): on the CPU the "device" buffers (slabs) are host
+memory too, and they are counted.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import host_budget_driver
+from comfy_boot import comfyui_path
+from fixture_models import ModelDir, tiny_qwen_image_file
+
+# Twelve 37.8 MB blocks, 4 MB besides: a budget of a quarter packs three of them or fewer.
+MODEL = {"num_layers": 12, "num_attention_heads": 4, "attention_head_dim": 128, "dtype": torch.float32}
+UNET_NAME = "host_budget_qwen_image.safetensors"
+GB = 1024**3  # the unit of host_gb, as of resident_gb
+# What else a load and a sampling run may add to RssAnon (ComfyUI's weights outside the blocks, the
+# latents, torch's first kernels), and the margin on the whole.
+SLACK_BYTES = 100 * 10**6
+MARGIN = 1.15
+VIAS = ["loader", "node"]
+
+
+@pytest.fixture(scope="module")
+def models(comfy_models: ModelDir) -> ModelDir:
+    source = tiny_qwen_image_file(**MODEL)
+    assert source.stat().st_size >= 400 * 10**6, "the issue measures a model of 400 MB or more"
+    target = comfy_models.models_dir / "diffusion_models" / UNET_NAME
+    if not target.exists():
+        target.symlink_to(source)
+    return comfy_models
+
+
+def model_file_bytes(models: ModelDir) -> int:
+    return (models.models_dir / "diffusion_models" / UNET_NAME).stat().st_size
+
+
+def run_driver(spec: dict[str, Any]) -> dict[str, Any]:
+    """What host_budget_driver saw loading and sampling ``spec`` in a fresh process; its latent under ``latent``."""
+    done = subprocess.run([sys.executable, host_budget_driver.__file__, json.dumps(spec)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, COMFYUI_PATH=str(comfyui_path())))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return {**json.loads(lines[-1].removeprefix("RESULTS ")), "latent": torch.load(spec["latent"])}
+
+
+@pytest.fixture(scope="module")
+def measure(models: ModelDir, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """``measure(via, **offload_inputs)``: one driver run, made once per module."""
+    folder = tmp_path_factory.mktemp("host_budget")
+
+    @functools.cache
+    def measure(via: str, **offload: Any) -> dict[str, Any]:
+        latent = folder / ("_".join([via, *(f"{name}={value}" for name, value in sorted(offload.items()))]) + ".pt")
+        return run_driver({"models": str(models.base_dir), "unet_name": UNET_NAME, "via": via, "offload": offload,
+                           "latent": str(latent)})
+
+    return measure
+
+
+@pytest.fixture(scope="module")
+def plain(measure) -> dict[str, Any]:
+    """Plain ComfyUI: the latent every offloaded run must match bit for bit."""
+    return measure("plain")
+
+
+def anon_growth(run: dict[str, Any]) -> int:
+    """RssAnon's peak while the offload loaded and sampled, less RssAnon where it started: before loading for
+    the loader, once ComfyUI's own load was done for the node."""
+    marks = run["rss_anon"]
+    start = "comfyui_loaded" if "comfyui_loaded" in marks else "before"
+    names = list(marks)
+    return max(marks[name]["peak"] for name in names[names.index(start) + 1:]) - marks[start]["now"]
+
+
+def allowed_growth(packed_bytes: int, stats: dict[str, Any]) -> float:
+    """The issue's bound: packed host copies, staging ring and (on the CPU) device slabs, 100 MB besides, 15 %."""
+    return (packed_bytes + stats["staging_bytes"] + stats["slab_bytes"] + SLACK_BYTES) * MARGIN
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_with_the_defaults_every_group_is_packed_as_before(plain, measure, via):
+    run = measure(via)
+    stats = run["stats"]
+    assert torch.equal(run["latent"], plain["latent"])
+    assert stats["bytes_d2h"] == 0 and stats["resident_groups"] == 0
+    assert anon_growth(run) <= allowed_growth(stats["host_bytes"], stats)
