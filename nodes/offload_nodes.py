@@ -9,7 +9,7 @@ import torch
 
 from .loader import load_offloaded
 from .patcher import GroupOffloadPatcher, make_offloaded
-from .settings import RESIDENCY_MODES, RESIDENT_GB_MAX, RESIDENT_GB_MIN, OffloadSettings
+from .settings import GB_INPUT_MAX, GB_INPUT_MIN, HOST_MEMORY_MODES, RESIDENCY_MODES, OffloadSettings
 from .telemetry import last_run
 
 OFFLOAD_INPUTS: dict[str, tuple] = {
@@ -27,33 +27,50 @@ OFFLOAD_INPUTS: dict[str, tuple] = {
                    "activations, from the latent's size), stream the rest. stream_all: keep none resident. budget: "
                    "keep resident_gb worth resident. A step that runs out of GPU memory keeps fewer and runs again."}),
     "resident_gb": ("FLOAT", {
-        "default": 0.0, "min": RESIDENT_GB_MIN, "max": RESIDENT_GB_MAX, "step": 0.5,
+        "default": 0.0, "min": GB_INPUT_MIN, "max": GB_INPUT_MAX, "step": 0.5,
         "tooltip": "GPU memory (GB) for groups that stay resident; used only when residency is budget."}),
+}
+# Optional, so that workflows and API prompts saved before these inputs existed run with their defaults.
+HOST_INPUTS: dict[str, tuple] = {
+    "host_memory": (list(HOST_MEMORY_MODES), {
+        "default": OffloadSettings.host_memory,
+        "tooltip": "auto: pack every group into host memory while the RAM available allows it (less a headroom for "
+                   "ComfyUI, the text encoder and the OS); the other groups stay where the model's weights are (the "
+                   "model file's pages, read through the page cache) and stream from there. budget: at most host_gb "
+                   "of packed host copies, shared by all offloaded models."}),
+    "host_gb": ("FLOAT", {
+        "default": OffloadSettings.host_gb, "min": GB_INPUT_MIN, "max": GB_INPUT_MAX, "step": 0.5,
+        "tooltip": "Host memory (GB) for packed copies of the blocks, shared by all offloaded models; used only when "
+                   "host_memory is budget. 0 leaves every group in place (file-backed with the Group Offload loader)."}),
 }
 HIDDEN = {"unique_id": "UNIQUE_ID"}
 
 
 class _OffloadInputsValidation:
-    """What ComfyUI's validation of OFFLOAD_INPUTS misses, checked before anything runs."""
+    """What ComfyUI's validation of OFFLOAD_INPUTS and HOST_INPUTS misses, checked before anything runs."""
 
     @classmethod
-    def VALIDATE_INPUTS(cls, resident_gb: Any) -> bool | str:
+    def VALIDATE_INPUTS(cls, resident_gb: Any, host_gb: Any = OffloadSettings.host_gb) -> bool | str:
         """ComfyUI's range check lets NaN through (every comparison with NaN is false), and it skips an
         input that the node validates itself; so the settings' own check runs here, on the whole range."""
-        if not isinstance(resident_gb, (int, float)):
-            return True  # linked from another node: OffloadSettings checks it when the node runs
+        given = {name: value for name, value in (("resident_gb", resident_gb), ("host_gb", host_gb))
+                 if isinstance(value, (int, float))}  # a linked one: OffloadSettings checks it when the node runs
         try:
-            OffloadSettings(resident_gb=resident_gb).validate()
+            OffloadSettings(**given).validate()
         except ValueError as error:
             return str(error)
         return True
 
 
-def _settings(unique_id: str | None, blocks_per_group: int, prefetch: int, residency: str,
-              resident_gb: float) -> OffloadSettings:
-    """The node's OFFLOAD_INPUTS, and the node whose readout shows the telemetry."""
-    return OffloadSettings(blocks_per_group=blocks_per_group, prefetch=prefetch, residency=residency,
-                           resident_gb=resident_gb, node_id=None if unique_id is None else str(unique_id))
+def _input_types(first: dict[str, tuple]) -> dict[str, dict[str, tuple]]:
+    """A node's own inputs ``first``, then OFFLOAD_INPUTS (required), HOST_INPUTS (optional) and the node id."""
+    return {"required": {**first, **OFFLOAD_INPUTS}, "optional": dict(HOST_INPUTS), "hidden": HIDDEN}
+
+
+def _settings(unique_id: str | None, **inputs: Any) -> OffloadSettings:
+    """The node's OFFLOAD_INPUTS and HOST_INPUTS (the defaults for those an older prompt lacks), and the node
+    whose readout shows the telemetry."""
+    return OffloadSettings(**inputs, node_id=None if unique_id is None else str(unique_id))
 
 
 class GroupOffload(_OffloadInputsValidation):
@@ -67,12 +84,10 @@ class GroupOffload(_OffloadInputsValidation):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to offload."}), **OFFLOAD_INPUTS},
-                "hidden": HIDDEN}
+        return _input_types({"model": ("MODEL", {"tooltip": "The diffusion model to offload."})})
 
-    def apply(self, model, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
-        settings = _settings(unique_id, blocks_per_group, prefetch, residency, resident_gb)
-        return (make_offloaded(model, settings),)
+    def apply(self, model, unique_id=None, **inputs):
+        return (make_offloaded(model, _settings(unique_id, **inputs)),)
 
 
 class GroupOffloadLoader(_OffloadInputsValidation):
@@ -87,18 +102,16 @@ class GroupOffloadLoader(_OffloadInputsValidation):
     @classmethod
     def INPUT_TYPES(cls):
         weight_dtype = comfy_nodes.UNETLoader.INPUT_TYPES()["required"]["weight_dtype"]
-        return {"required": {
+        return _input_types({
             "unet_name": (folder_paths.get_filename_list("diffusion_models"),
                           {"tooltip": "The diffusion model file (models/diffusion_models)."}),
             "weight_dtype": (weight_dtype[0], {**(weight_dtype[1] if len(weight_dtype) > 1 else {}),
                              "tooltip": "Weight format in memory; fp8 halves the bytes each copy moves."}),
-            **OFFLOAD_INPUTS,
-        }, "hidden": HIDDEN}
+        })
 
-    def load(self, unet_name, weight_dtype, blocks_per_group, prefetch, residency, resident_gb, unique_id=None):
+    def load(self, unet_name, weight_dtype, unique_id=None, **inputs):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        settings = _settings(unique_id, blocks_per_group, prefetch, residency, resident_gb)
-        return (load_offloaded(path, _unet_model_options(weight_dtype), settings),)
+        return (load_offloaded(path, _unet_model_options(weight_dtype), _settings(unique_id, **inputs)),)
 
 
 # UNETLoader's weight_dtype choices and the model options it derives from each.
