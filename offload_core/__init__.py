@@ -2,6 +2,7 @@
 from .backoff import OutOfMemoryAfterBackOff, call_backing_off
 from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
 from .group import check_offloadable, split_into_groups
+from .hostmem import SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
 from .subclass import UnpackableTensorError, flatten, packed_nbytes
@@ -13,6 +14,7 @@ __all__ = [
     "OutOfMemoryAfterBackOff",
     "Pinner",
     "Residency",
+    "SourceChangedError",
     "UnpackableTensorError",
     "apply_group_offload",
     "call_backing_off",
@@ -21,6 +23,7 @@ __all__ = [
     "flatten",
     "format_bytes",
     "handle_of",
+    "map_file",
     "packed_nbytes",
     "plan_residency",
     "split_into_groups",

@@ -27,10 +27,12 @@ proves it on every test run):
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -38,9 +40,11 @@ import torch
 from torch import nn
 
 from .group import FillFn, ModuleGroup, check_unshared, split_into_groups
+from .hostmem import FileMappings, SourceFiles
 from .ledger import TransferLedger
-from .mirror import CudaHostRegister, Pinner
-from .residency import Residency, backed_off_plan, device_footprint, plan_residency, planned_slabs
+from .mirror import CudaHostRegister, Pinner, pack_layout
+from .residency import Residency, backed_off_plan, device_footprint, plan_packing, plan_residency, planned_slabs
+from .subclass import flatten
 from .runtime import CudaRuntime, Runtime
 from .slabs import SlabPool
 from .staging import StagingRing
@@ -83,7 +87,7 @@ class GroupOffloadHandle:
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, resident_bytes: int,
                  fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None,
-                 runtime: Runtime | None = None) -> None:
+                 runtime: Runtime | None = None, host_budget: int | None = None) -> None:
         self.config = config
         self.ledger = TransferLedger()
         qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
@@ -95,14 +99,17 @@ class GroupOffloadHandle:
         self._copy_stream = runtime.new_stream() if runtime is not None else None
         self.groups: list[ModuleGroup] = []
         self._pinner = self._choose_pinner(pinner)
-        for chunk in chunks:
-            group = ModuleGroup(len(self.groups), chunk, qualnames, fill)
+        self._sources = SourceFiles()  # the mapped files groups kept in place read from
+        in_place = (FileMappings(), self._sources)
+        for chunk, packed in zip(chunks, _packed_chunks(chunks, resident_bytes, host_budget)):
+            group = ModuleGroup(len(self.groups), chunk, qualnames, fill, None if packed else in_place)
             self.groups.append(group)
             if progress is not None:
                 progress(len(self.groups), len(chunks))
         self._inference = any(g.inference for g in self.groups)  # the kind of device buffers to make
         self._slabs = SlabPool(config.onload_device, runtime, self._copy_stream, self._inference)
-        self._staging: StagingRing | None = None  # while pinning is refused for some streamed groups
+        self._staging: StagingRing | None = None  # for groups kept in place, or whose pinning was refused
+        self._sources.seal()
         self._active: set[int] = set()
         self._trace: list[int] = []
         self._lookahead: dict[int, list[ModuleGroup]] | None = None  # group index -> next streamed groups
@@ -121,6 +128,7 @@ class GroupOffloadHandle:
         """Transfer ledger and layout (never waits for the GPU)."""
         resident = [g for g in self.groups if g.resident]
         staging = 0 if self._staging is None else self._staging.pinned_bytes
+        in_place = [g for g in self.groups if not g.mirror.packed]
         return {
             **self.ledger.as_dict(),
             "prefetch": self.prefetch,
@@ -130,6 +138,9 @@ class GroupOffloadHandle:
             "streamed_bytes_per_pass": sum(g.nbytes for g in self.groups if not g.resident),
             "slab_bytes": self._slabs.held_bytes(),
             "host_bytes": sum(g.nbytes for g in self.groups),
+            "packed_bytes": sum(g.nbytes for g in self.groups if g.mirror.packed),  # the host copies in anonymous memory
+            "in_place_bytes": sum(g.nbytes for g in in_place),  # beyond the host budget: gathered where they lie
+            "file_backed_bytes": sum(g.mirror.file_backed_bytes for g in in_place),  # of those, in mapped files
             "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned) + staging,  # all it holds page-locked
             "staging_bytes": staging,
             "pin_seconds": self.pin_seconds,
@@ -137,6 +148,11 @@ class GroupOffloadHandle:
 
     def reset_stats(self) -> None:
         self.ledger = TransferLedger()
+
+    def check_sources(self) -> None:
+        """Before a run: ``SourceChangedError`` if a file that groups kept in place are mapped from shrank or
+        changed on disk (reading a page of a shrunk mapping is a SIGBUS, not an error)."""
+        self._sources.check()
 
     def set_resident_bytes(self, resident_bytes: int) -> None:
         """Re-plan which groups stay on the device, with the configured prefetch; takes effect from the
@@ -203,46 +219,54 @@ class GroupOffloadHandle:
 
     def pin_streamed(self) -> int:
         """Pin every streamed group's mirror the pinner accepts, unpin the resident ones; a refusal
-        does not stop the others. Returns the streamed bytes left in pageable memory."""
-        if self._pinner is None:
-            return 0
-        self._drop_staging()  # the groups first: a ring is only for what stays pageable
-        for group in self.groups:
-            if group.resident:
-                group.mirror.unpin()  # first, so that the streamed ones can have what it held
+        does not stop the others. Groups kept in place, and those pinning refused, go through a
+        staging ring on a CUDA device. Returns the streamed packed bytes left in pageable memory."""
+        self._drop_staging()  # the groups first: a ring is only for what is not pinned
         started = time.perf_counter()
-        refused = self._pin_pageable_groups()
-        if refused and self._runtime is not None:
-            self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
-            if any(g.mirror.pinned for g in self.groups):  # a limit, not a driver that pins nothing
-                self._make_staging()
+        refused = 0
+        if self._pinner is not None:
+            for group in self.groups:
+                if group.resident:
+                    group.mirror.unpin()  # first, so that the streamed ones can have what it held
+            refused = self._pin_pageable_groups()
+            if refused and self._runtime is not None:
+                self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
+        in_place = any(not g.mirror.packed for g in self.groups)
+        pins_at_a_limit = refused and any(g.mirror.pinned for g in self.groups)  # not a driver that pins nothing
+        if self._runtime is not None and (in_place or pins_at_a_limit):
+            self._make_staging(refused)
         self.pin_seconds += time.perf_counter() - started
         if refused:
-            refused = sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned)
+            refused = sum(g.nbytes for g in self.groups if not g.resident and g.mirror.packed and not g.mirror.pinned)
             ring = (f"through {self._staging.pinned_bytes / 2**20:.1f} MB of pinned staging buffers"
-                    if self._staging is not None else "from pageable memory (slower copies)")
+                    if self._staging is not None and self._staging.pinned_bytes else "from pageable memory (slower copies)")
             log.info("%.1f MB of streamed groups stay in pageable memory and stream %s: pinning was refused",
                      refused / 2**20, ring)
         return refused
 
-    def _make_staging(self) -> None:
-        """A pinned staging ring for the streamed groups pinning refused, pinned in the room of the last
-        pinned groups: every pageable copy then runs at the pinned rate, for two groups' worth of pins."""
-        ring = StagingRing(self._runtime, self._slabs.slab_bytes)
-        self.unpin(at_least=ring.total_bytes)
-        if ring.pin(self._pinner, self._copy_stream.synchronize):
+    def _make_staging(self, refused: int) -> None:
+        """A staging ring as large as two of the largest groups, pinned (when pinning was refused for some
+        groups, in the room of the last pinned ones): every unpinned copy then runs at the pinned rate,
+        for two groups' worth of pins. Unpinned when the pinner refuses it, for groups kept in place."""
+        ring = StagingRing(self._runtime, max(g.nbytes for g in self.groups))
+        if refused:
+            self.unpin(at_least=ring.total_bytes)
+        if self._pinner is not None and not ring.pin(self._pinner, self._drain_copies):
+            self._runtime.discard_last_error()
+            if refused:
+                self._pin_pageable_groups()  # no pinned ring after all: the groups take their pins back
+                self._runtime.discard_last_error()
+        if ring.pinned_bytes or any(not g.mirror.packed for g in self.groups):
             self._staging = ring
-            return
-        self._runtime.discard_last_error()
-        self._pin_pageable_groups()  # no ring after all: the groups take their pins back
-        self._runtime.discard_last_error()
 
     def _pin_pageable_groups(self) -> int:
-        """Pin each streamed group not pinned yet; the bytes the pinner refused."""
-        return sum(g.nbytes for g in self.groups if not g.resident and not g.mirror.pinned and not self._pin(g))
+        """Pin each streamed packed group not pinned yet; the bytes the pinner refused."""
+        return sum(g.nbytes for g in self.groups
+                   if not g.resident and g.mirror.packed and not g.mirror.pinned and not self._pin(g))
 
     def _drop_staging(self) -> None:
         if self._staging is not None:
+            self._queue_staged_copies()
             self._staging.unpin()  # after the copies that read it (the drain given to ``pin``)
             self._staging = None
 
@@ -330,7 +354,29 @@ class GroupOffloadHandle:
     def _finish_copies(self) -> None:
         """Device buffers may be dropped only once the copies into them are done."""
         if self._runtime is not None:
+            self._queue_staged_copies()
             self._runtime.current_stream().wait_stream(self._copy_stream)
+
+    def _drain_copies(self) -> None:
+        """The host waits until every copy queued or to be queued has run (before host memory is unpinned)."""
+        self._queue_staged_copies()
+        self._copy_stream.synchronize()
+
+    def _queue_staged_copies(self) -> None:
+        """Wait until the gather worker has queued every staged copy it was given."""
+        for group in self.groups:
+            if group.pending is not None:
+                self._take_ready(group, raising=False)
+
+    def _take_ready(self, group: ModuleGroup, raising: bool = True) -> None:
+        """The ready event of ``group``'s staged copy, once the worker has queued it."""
+        pending, group.pending = group.pending, None
+        try:
+            group.ready = self._runtime.wait(pending)
+        except Exception:
+            if raising:
+                raise
+            log.debug("a staged copy failed; its group is dropped from the device", exc_info=True)
 
     def _forget_slabs(self) -> None:
         self._active.clear()
@@ -385,7 +431,7 @@ class GroupOffloadHandle:
             self._onload(group, prefetched=False)
         elif group.parked:
             group.unpark()
-        if group.ready is not None:
+        if group.ready is not None or group.pending is not None:
             self._wait_for(group)
         self._active.add(group.index)
         self._prefetch_after(group, pageable=False)
@@ -447,7 +493,7 @@ class GroupOffloadHandle:
         for upcoming in self._lookahead.get(group.index, ()):
             if upcoming.onloaded:
                 continue
-            if not pageable and self._runtime is not None and not upcoming.mirror.pinned:
+            if not pageable and self._runtime is not None and not upcoming.mirror.pinned and not self._staged(upcoming):
                 return
             if not self._prefetch(upcoming):
                 return
@@ -462,13 +508,20 @@ class GroupOffloadHandle:
     def _onload(self, group: ModuleGroup, prefetched: bool) -> None:
         slab = self._slabs.allocate(group.nbytes) if group.resident else self._take_slab()
         try:
-            if self._runtime is not None:
+            if self._runtime is None:
+                self._copy_into(group, slab, non_blocking=False)
+            elif self._staged(group):
+                group.show(slab)  # the modules see the slab now; the compute waits for ``ready`` before it runs
+                ring = self._staging
+                job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch_targets(group))
+                group.pending = self._runtime.submit(job)
+                self.ledger.staged_copies += 1
+                self.ledger.record_copy(group.nbytes)
+            else:
                 with self._runtime.use_stream(self._copy_stream):
                     self._copy_into(group, slab, non_blocking=True)
                     group.ready = self._runtime.new_event()
                     group.ready.record(self._copy_stream)
-            else:
-                self._copy_into(group, slab, non_blocking=False)
         except BaseException:
             self._abandon_onload(group, slab)
             raise
@@ -485,25 +538,56 @@ class GroupOffloadHandle:
         if not group.resident:
             self._slabs.put_back(slab)
 
+    def _staged(self, group: ModuleGroup) -> bool:
+        """Whether ``group`` reaches the device through the staging ring: kept in place, or streamed from a
+        packed mirror pinning refused."""
+        return self._staging is not None and (not group.mirror.packed or not group.resident and not group.mirror.pinned)
+
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
-        if self._inference and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():  # inference tensors (see ``ModuleGroup``) are written only under it
-                self._copy_into(group, slab, non_blocking)
-            return
-        if self._staging is not None and not group.resident and not group.mirror.pinned:
-            staged, index = self._staging.stage(group.mirror.buffer)
-            group.onload_(slab, non_blocking, source=staged)
-            self._staging.sent(index, self._copy_stream)
-            self.ledger.staged_copies += 1
-        else:
-            group.onload_(slab, non_blocking)
-        if self._patch is not None:
-            for i in self._patched[group.index]:
-                tensor = group.device_tensor(i)
-                tensor.copy_(self._patch(group.bindings[i].qualname, tensor))
+        """Copy the group into ``slab`` and point its modules there: with the device on the host, or from a
+        packed mirror (in the copy stream's context on a CUDA device)."""
+        with self._inference_mode():
+            started = time.perf_counter()
+            from_disk = group.fill(slab, non_blocking)
+            if not group.mirror.packed:
+                self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+            group.show(slab)
+            self._apply_patch(self._patch_targets(group))
         self.ledger.record_copy(group.nbytes)
 
+    def _staged_copy(self, group: ModuleGroup, slab: torch.Tensor, ring: StagingRing, index: int,
+                     patch_targets: list[tuple[str, torch.Tensor]]) -> object:
+        """The gather worker's job: ``group``'s bytes into ``ring``'s buffer ``index``, then queued to ``slab``
+        on the copy stream with the patch after them; returns the event the copies are done at."""
+        with self._inference_mode(), self._runtime.use_stream(self._copy_stream):
+            started = time.perf_counter()
+            staged, from_disk = ring.stage(index, group)
+            if not group.mirror.packed:
+                self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+            group.fill(slab, non_blocking=True, source=staged)
+            ring.sent(index, self._copy_stream)
+            self._apply_patch(patch_targets)
+            ready = self._runtime.new_event()
+            ready.record(self._copy_stream)
+        return ready
+
+    def _inference_mode(self) -> AbstractContextManager:
+        """Inference tensors (see ``ModuleGroup``) are written only under inference mode (a thread's own)."""
+        return torch.inference_mode() if self._inference and not torch.is_inference_mode_enabled() else nullcontext()
+
+    def _patch_targets(self, group: ModuleGroup) -> list[tuple[str, torch.Tensor]]:
+        """The device tensors of ``group`` the onload patch rewrites (the group shows its slab), by name."""
+        if self._patch is None:
+            return []
+        return [(group.bindings[i].qualname, group.device_tensor(i)) for i in self._patched[group.index]]
+
+    def _apply_patch(self, targets: list[tuple[str, torch.Tensor]]) -> None:
+        for qualname, tensor in targets:
+            tensor.copy_(self._patch(qualname, tensor))
+
     def _wait_for(self, group: ModuleGroup) -> None:
+        if group.pending is not None:
+            self._take_ready(group)
         stream = self._runtime.current_stream()
         start, end = self._runtime.new_event(enable_timing=True), self._runtime.new_event(enable_timing=True)
         start.record(stream)
@@ -513,6 +597,8 @@ class GroupOffloadHandle:
         group.ready = None
 
     def _offload(self, group: ModuleGroup) -> None:
+        if group.pending is not None:  # a copy into the slab yet to be queued must come before the next one
+            self._take_ready(group, raising=False)
         self._slabs.release(group.offload_())  # its "released" event: recorded on the compute stream
 
     def _take_slab(self) -> torch.Tensor:
@@ -537,7 +623,7 @@ class GroupOffloadHandle:
 
     def _pin(self, group: ModuleGroup) -> bool:
         """Pin one mirror; a refusal's CUDA error is the caller's to discard (once per pass: it syncs the device)."""
-        return group.pin(self._pinner, drain=None if self._runtime is None else self._copy_stream.synchronize)
+        return group.pin(self._pinner, drain=None if self._runtime is None else self._drain_copies)
 
 
 def apply_group_offload(
@@ -555,6 +641,7 @@ def apply_group_offload(
     pinner: Pinner | None = None,
     progress: Callable[[int, int], None] | None = None,
     runtime: Runtime | None = None,
+    host_budget: int | None = None,
 ) -> GroupOffloadHandle:
     """Keep ``blocks`` in packed host mirrors and stream them to ``onload_device`` group by group.
 
@@ -566,11 +653,20 @@ def apply_group_offload(
     module's current tensor (a loader reads a file straight in); ``pinner`` replaces the default
     ``cudaHostRegister`` pinning; ``progress(done, total)`` is called as the groups are built;
     ``runtime`` replaces ``torch.cuda``'s streams, events and allocations (a test's checker).
+    ``host_budget``: the bytes of packed host mirrors the groups may have (None: every group has one);
+    the groups beyond it keep their tensors where they are (views of a mapped file cost no anonymous
+    memory) and are gathered at each onload, through a staging ring on a CUDA device. It cannot go
+    with ``fill``, which writes every tensor into a packed mirror.
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
                            blocks_per_group, prefetch, pin_memory, tuple(entry_methods))
     config.validate()
     _check_resident_bytes(resident_bytes)
+    if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"host_budget must be None (pack every group) or an integer >= 0, got {host_budget!r}")
+    if host_budget is not None and fill is not None:
+        raise ValueError("fill writes every tensor into a packed host mirror: it cannot go with a host_budget, "
+                         "beyond which the tensors stay where they are (make them views of the file instead)")
     blocks = list(blocks)
     if not blocks:
         raise ValueError("blocks is empty: pass the model's block modules, e.g. model.transformer_blocks")
@@ -584,7 +680,27 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
-    return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime)
+    return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime, host_budget)
+
+
+def _packed_chunks(chunks: list[list[nn.Module]], resident_bytes: int, host_budget: int | None) -> list[bool]:
+    """Which chunks of blocks get a packed host mirror within ``host_budget`` (``plan_packing``, on the
+    residency planned for ``resident_bytes``); a chunk with a tensor off the host is packed regardless."""
+    if host_budget is None:
+        return [True] * len(chunks)
+    tensors = [_chunk_tensors(chunk) for chunk in chunks]
+    sizes = [pack_layout([inner for t in chunk for inner in flatten(t)[1]])[1] for chunk in tensors]  # as packed
+    packed = plan_packing(sizes, plan_residency(sizes, resident_bytes), host_budget)
+    return [p or not all(_on_the_host(t) for t in chunk) for p, chunk in zip(packed, tensors)]
+
+
+def _chunk_tensors(chunk: list[nn.Module]) -> list[torch.Tensor]:
+    unique = {id(t): t for block in chunk for t in (*block.parameters(), *block.buffers())}
+    return list(unique.values())
+
+
+def _on_the_host(tensor: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in flatten(tensor)[1])
 
 
 def _check_resident_bytes(resident_bytes: int) -> None:

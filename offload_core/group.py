@@ -7,12 +7,14 @@ its own; the scheduler in ``engine.py`` decides *when*.
 from __future__ import annotations
 
 import copyreg
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from .mirror import HostMirror, Pinner, pack_layout, packed_buffer, segment_views
+from .hostmem import FileMappings, SourceFiles
+from .mirror import CopyFn, HostMirror, InPlaceMirror, Pinner, pack_layout, packed_buffer, segment_views
 from .subclass import Flattened, first_inner, flatten, is_wrapper, require_packable
 
 #: Writes a tensor's weights into its host-mirror copy (the loader reads a file straight in); a
@@ -112,6 +114,10 @@ class _WrapperBinding(_Binding):
         self._held = {key: t for key, t in self._held.items() if key == HOST}
 
 
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
+
+
 _SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)  # what ``torch.utils.swap_tensors`` ends with
 
 
@@ -178,10 +184,16 @@ def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> list[tuple[s
     return sorted(found, key=lambda entry: (not entry[2], is_wrapper(entry[1])))
 
 
-class ModuleGroup:
-    """Consecutive blocks whose tensors travel together in one packed copy."""
+#: Where a group beyond the host budget finds its tensors: the file mappings, and the files they map.
+InPlace = tuple[FileMappings, SourceFiles]
 
-    def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None) -> None:
+
+class ModuleGroup:
+    """Consecutive blocks whose tensors travel together in one packed copy (on the device; on the host,
+    a packed mirror, or the tensors where they are when ``in_place`` is given)."""
+
+    def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None,
+                 in_place: InPlace | None = None) -> None:
         self.index = index
         self.blocks = blocks
         found = _collect(blocks, qualnames)
@@ -201,7 +213,10 @@ class ModuleGroup:
             self.bindings.append(binding)
         del found, flattened
         with torch.inference_mode(self.inference):
-            self._pack(inner, fill)
+            if in_place is None:
+                self._pack(inner, fill)
+            else:
+                self._keep_in_place(inner, *in_place)
         plain = [b for b in self.bindings if type(b) is _Binding]
         self._params = [b.param for b in plain if b.param is not None]
         self._buffer_slots = [(slots, name, b.first) for b in plain for slots, name in b.buffer_slots]
@@ -209,6 +224,7 @@ class ModuleGroup:
         self.resident = False
         self.slab: torch.Tensor | None = None  # the device buffer the group occupies, if any
         self.ready: torch.cuda.Event | None = None  # recorded when the copy into ``slab`` is done
+        self.pending: Future | None = None  # a staged copy the gather worker has yet to queue; its result: ``ready``
         self.parked = False  # on the device, but the modules point at the mirror until the next use
         self.running = 0  # forwards of its blocks in progress
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slab data_ptr -> layout in it
@@ -227,6 +243,13 @@ class ModuleGroup:
             binding.show(HOST, views)
             inner[binding.first : binding.last] = [None] * (binding.last - binding.first)  # the old storage
             # goes now: host memory holds at most one tensor twice
+
+    def _keep_in_place(self, inner: list[torch.Tensor], mappings: FileMappings, sources: SourceFiles) -> None:
+        segments, nbytes = pack_layout(inner)
+        # Aliases, not the tensors themselves: a Parameter re-pointed at a slab must not take its mirror along.
+        self.mirror = InPlaceMirror(segments, nbytes, [t.detach() for t in inner], mappings, sources)
+        for binding in self.bindings:
+            binding.show(HOST, self.mirror.views)
 
     @property
     def nbytes(self) -> int:
@@ -263,11 +286,28 @@ class ModuleGroup:
         return self._device_layout(slab)[1]
 
     def onload_(self, slab: torch.Tensor, non_blocking: bool, source: torch.Tensor | None = None) -> None:
-        """Copy the mirror, or ``source`` holding its bytes (a staging buffer), into ``slab`` (one copy) and
-        point the modules at it."""
-        target, views = self._device_layout(slab)
-        target.copy_(self.mirror.buffer if source is None else source, non_blocking=non_blocking)
-        self.bind(slab.data_ptr(), views)
+        """Copy the mirror, or ``source`` holding its bytes (a staging buffer), into ``slab`` and point the
+        modules at it."""
+        self.fill(slab, non_blocking, source)
+        self.show(slab)
+
+    def fill(self, slab: torch.Tensor, non_blocking: bool, source: torch.Tensor | None = None) -> int:
+        """Copy the group's bytes into ``slab``: from ``source`` (a staging buffer holding them) in one copy,
+        else from the mirror (a packed one in one copy; tensors in place one by one, on the host: no
+        ``non_blocking``). Returns the bytes a gather read from a disk."""
+        target = self._device_layout(slab)[0]
+        if source is not None or self.mirror.packed:
+            target.copy_(self.mirror.buffer if source is None else source, non_blocking=non_blocking)
+            return 0
+        return self.gather_into(target, _copy)
+
+    def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
+        """The group's bytes into ``target`` (a host buffer) by ``copy``; the bytes read from a disk."""
+        return self.mirror.gather_into(target, copy)
+
+    def show(self, slab: torch.Tensor) -> None:
+        """Point the modules at their views of ``slab`` (the bytes arrive there before they run)."""
+        self.bind(slab.data_ptr(), self.device_views(slab))
         self.slab = slab
 
     def device_tensor(self, index: int) -> torch.Tensor:
@@ -278,7 +318,7 @@ class ModuleGroup:
     def offload_(self) -> torch.Tensor | None:
         """Point the modules back at the mirror (no copy) and hand the slab back."""
         self.bind(HOST, self.mirror.views)
-        slab, self.slab, self.ready, self.parked = self.slab, None, None, False
+        slab, self.slab, self.ready, self.pending, self.parked = self.slab, None, None, None, False
         return slab
 
     def park(self) -> None:
@@ -306,6 +346,6 @@ class ModuleGroup:
             for binding in self.bindings:
                 if binding.shows(views):
                     binding.show(HOST, self.mirror.views)
-        self.slab, self.ready, self.parked = None, None, False
+        self.slab, self.ready, self.pending, self.parked = None, None, None, False
         self.drop_device_views()
         self.mirror.unpin()

@@ -24,7 +24,11 @@ class TransferLedger:
     onloads: int = 0  # groups brought onto the device (streamed or resident)
     sync_onloads: int = 0  # of those, onloads the compute had to wait for on the host side
     prefetches: int = 0
-    staged_copies: int = 0  # of the copies, those that went through a pinned staging buffer (pinning refused)
+    staged_copies: int = 0  # of the copies, those that went through a staging buffer (not a pinned packed mirror)
+    gathers: int = 0  # onloads of groups kept in place (beyond the host budget), gathered tensor by tensor
+    gathered_bytes: int = 0
+    gathered_from_disk_bytes: int = 0  # of those, bytes whose pages the page cache did not hold before
+    gather_seconds: float = 0.0  # time the gathers took (on the gather worker, off the host thread)
     hook_seconds: float = 0.0  # host time spent inside the hooks
     hook_calls: int = 0  # group entries (each streamed or resident group run counts once)
     back_offs: int = 0  # plans given up for one that holds less, after a call ran out of device memory
@@ -39,6 +43,12 @@ class TransferLedger:
     def record_copy(self, nbytes: int) -> None:
         self.bytes_h2d += nbytes
         self.copies_h2d += 1
+
+    def record_gather(self, nbytes: int, from_disk: int, seconds: float) -> None:
+        self.gathers += 1
+        self.gathered_bytes += nbytes
+        self.gathered_from_disk_bytes += from_disk
+        self.gather_seconds += seconds
 
     def record_wait(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self._wait_events.append((start, end))

@@ -14,6 +14,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from .hostmem import FileMappings, SourceFiles, uncached_bytes
+
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 256  # bytes; what CUDA's allocator guarantees, so device views stay kernel-friendly
@@ -80,8 +82,14 @@ class CudaHostRegister:
         torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
+#: Copies host bytes into a host buffer: (target, source) -> None (the runtime's ``host_copy``).
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 class HostMirror:
     """The host copy of one group: a packed buffer, its typed views and its pinned state."""
+
+    packed = True
 
     def __init__(self, segments: list[Segment], nbytes: int, buffer: torch.Tensor | None = None) -> None:
         self.segments = segments
@@ -108,6 +116,50 @@ class HostMirror:
         """Return the page-locked memory; the buffer stays valid as ordinary host memory."""
         if self._unpin is not None:
             self._unpin()
+
+    def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
+        """Copy the packed bytes into ``target`` (a host buffer); returns 0, the bytes read from a disk."""
+        copy(target[: self.nbytes], self.buffer)
+        return 0
+
+
+class InPlaceMirror:
+    """The host copy of a group beyond the host budget: its tensors where they already are (views of a
+    mapped file, or the model's own), never copied on the host but gathered into a packed buffer (a
+    staging buffer, or the device slab itself) at each onload. It is never pinned."""
+
+    packed = False
+    pinned = False
+
+    def __init__(self, segments: list[Segment], nbytes: int, tensors: list[torch.Tensor], mappings: FileMappings,
+                 sources: SourceFiles) -> None:
+        self.segments = segments
+        self.nbytes = nbytes
+        self.views = list(tensors)
+        self._file_backed = []
+        for tensor, segment in zip(self.views, segments):
+            mapping = mappings.find(tensor)
+            self._file_backed.append(mapping is not None)
+            if mapping is not None:
+                sources.add(mapping, tensor)
+        ends = [s.offset for s in segments[1:]] + [nbytes]  # each tensor's slot, as the group's bytes count it
+        self.file_backed_bytes = sum(end - s.offset for s, end, mapped in zip(segments, ends, self._file_backed) if mapped)
+
+    def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
+        return False
+
+    def unpin(self) -> None:
+        pass
+
+    def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
+        """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the
+        bytes whose pages the page cache did not hold before (read from the disk)."""
+        from_disk = 0
+        for view, into, mapped in zip(self.views, segment_views(target, self.segments), self._file_backed):
+            if mapped:
+                from_disk += uncached_bytes(view) or 0
+            copy(into, view)
+        return from_disk
 
 
 def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:

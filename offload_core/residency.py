@@ -69,6 +69,31 @@ def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]
     return plans
 
 
+def plan_packing(group_bytes: list[int], resident: list[bool], budget: int | None) -> list[bool]:
+    """``packed[i]`` for each group: whether it gets a packed host mirror within ``budget`` host bytes (None:
+    all do); the others keep their tensors in place and are gathered at each onload.
+
+    The streamed groups come first, spread evenly over the pass (each gather then lies between copies
+    from pinned mirrors); then, with what is left, the resident ones, whose host copy is read only
+    when their device copy is dropped.
+    """
+    if budget is None:
+        return [True] * len(group_bytes)
+    packed = [False] * len(group_bytes)
+    left = budget
+    streamed = [i for i, stays in enumerate(resident) if not stays]
+    share = min(1.0, budget / max(1, sum(group_bytes[i] for i in streamed)))
+    due = 0.0
+    for i in streamed:  # Bresenham's line: pack a group once the share owed so far reaches half of it
+        due += share * group_bytes[i]
+        if due >= group_bytes[i] / 2 and group_bytes[i] <= left:
+            packed[i], left, due = True, left - group_bytes[i], due - group_bytes[i]
+    for i in [*streamed, *(i for i, stays in enumerate(resident) if stays)]:
+        if not packed[i] and group_bytes[i] <= left:
+            packed[i], left = True, left - group_bytes[i]
+    return packed
+
+
 def planned_slabs(streamed_groups: int, prefetch: int) -> int:
     """Slabs the streamed groups cycle through: what ``prefetch`` needs, at most one per streamed group."""
     return min(slabs_for(prefetch), streamed_groups)

@@ -6,8 +6,9 @@ checks every cross-stream access for a happens-before order (``tests/stream_chec
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -29,6 +30,10 @@ class Runtime(Protocol):
 
     def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None: ...
 
+    def submit(self, job: Callable[[], Any]) -> Future: ...
+
+    def wait(self, future: Future) -> Any: ...
+
     def empty_cache(self) -> None: ...
 
     def discard_last_error(self) -> None: ...
@@ -39,6 +44,7 @@ class CudaRuntime:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._worker: ThreadPoolExecutor | None = None  # made at the first staged copy
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
@@ -56,8 +62,18 @@ class CudaRuntime:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """A copy between host buffers, by the host thread (no stream is involved)."""
+        """A copy between host buffers, by the thread that calls it (no stream is involved)."""
         target.copy_(source)
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        """Run ``job`` on the gather worker: one thread, so jobs run in the order they were submitted."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-offload-gather")
+        return self._worker.submit(job)
+
+    def wait(self, future: Future) -> Any:
+        """The host waits for a job of the worker; its result (or its error, raised)."""
+        return future.result()
 
     def empty_cache(self) -> None:
         """Hand the caching allocator's unused memory back to the driver (after an out-of-memory)."""

@@ -1,12 +1,15 @@
-"""Pinned staging buffers: how a group whose host copy is not pinned still reaches the device at the
-pinned rate.
+"""Staging buffers: how a group whose host copy is not a pinned packed mirror still reaches the device in
+one copy at the pinned rate, without holding the host thread.
 
-A copy from pageable memory runs at a tenth of the pinned rate (5.8–7.9 GB/s against 55 GB/s on an
-H200) and blocks the host while it runs. When pinning is refused for some groups (a pinned-memory
-limit), the engine keeps a ring of two pinned buffers instead: the host copies the group's mirror into
-the next one (a host-to-host copy, parallel across cores) and the copy stream moves it to the device
-asynchronously. A buffer is written again only once the host has waited for the copy that read it
-(its "sent" event): the one cross-stream rule here, checked by ``tests/stream_checker.py``.
+Two kinds of groups go this way: those whose pinning was refused (a pinned-memory limit) and those
+beyond the host budget, whose tensors stay in place (views of a mapped file). A copy from pageable
+memory runs at a tenth of the pinned rate (5.8–7.9 GB/s against 55 GB/s on an H200) and blocks the
+host while it runs. Instead, the engine keeps a ring of two pinned buffers and a gather worker: the
+worker copies the group's bytes into the next buffer (a host-to-host copy; for a mapped file, a read
+from the page cache or the disk) and queues the copy from it to the device on the copy stream, while
+the host thread goes on launching kernels. A buffer is written again only once the worker has waited
+for the copy that read it (its "sent" event): the one cross-stream rule here, checked by
+``tests/stream_checker.py``.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .group import ModuleGroup
 from .mirror import HostMirror, Pinner
 from .runtime import Runtime
 
@@ -22,7 +26,7 @@ STAGING_BUFFERS = 2
 
 
 class StagingRing:
-    """``STAGING_BUFFERS`` pinned host buffers of ``nbytes`` each, used in turn."""
+    """``STAGING_BUFFERS`` host buffers of ``nbytes`` each (pinned when the pinner allows), used in turn."""
 
     def __init__(self, runtime: Runtime, nbytes: int, count: int = STAGING_BUFFERS) -> None:
         self.nbytes = nbytes
@@ -50,16 +54,19 @@ class StagingRing:
         for buffer in self._buffers:
             buffer.unpin()
 
-    def stage(self, source: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``source`` (host bytes) copied into the next buffer, once its last copy out has run; returns the
-        filled part and the buffer's index for :meth:`sent`."""
+    def claim(self) -> int:
+        """The buffer the next staged copy goes through (claimed in the order the copies are queued)."""
         index, self._next = self._next, (self._next + 1) % len(self._buffers)
+        return index
+
+    def stage(self, index: int, group: ModuleGroup) -> tuple[torch.Tensor, int]:
+        """``group``'s bytes gathered into buffer ``index``, once its last copy out has run; returns the
+        filled part and the bytes read from a disk on the way."""
         if self._sent[index] is not None:
             self._sent[index].synchronize()  # the copy stream has read what this buffer held
             self._sent[index] = None
-        target = self._buffers[index].buffer[: source.numel()]
-        self._runtime.host_copy(target, source)
-        return target, index
+        target = self._buffers[index].buffer[: group.nbytes]
+        return target, group.gather_into(target, self._runtime.host_copy)
 
     def sent(self, index: int, stream: Any) -> None:
         """The copy out of buffer ``index`` is queued on ``stream``."""

@@ -14,6 +14,10 @@ Accesses to memory it tracks (its device allocations, host buffers registered th
 - a read not ordered after every earlier write of that memory on other streams;
 - unregistering host memory while a stream may still read it (the host has not waited).
 
+The gather worker (``submit``) is a second host thread: its jobs run at once, on a clock of their own,
+ordered after what the host did before it submitted them; the host is ordered after a job once it
+``wait``s for it.
+
 The allocator models CUDA's caching allocator: memory belongs to the pool of the stream that was
 current when it was allocated; once its tensors are gone it goes back to that pool, and the next
 allocation on that stream gets the same memory back, with its history of accesses — so writing it
@@ -27,6 +31,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +42,7 @@ from fake_cudart import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, FakeCudart
 
 HOST = "host"
 COMPUTE = "compute"
+WORKER = "worker"  # the gather worker: a second host thread
 
 #: Ops that look at tensors' metadata only (``param.data = view`` asks the first).
 METADATA_OPS = {torch.ops.aten._has_compatible_shallow_copy_type.default, torch.ops.aten.is_same_size.default}
@@ -91,7 +97,7 @@ class Stream:
         self.checker._join(self.name, self.checker.clocks[other.name])
 
     def synchronize(self) -> None:
-        self.checker._join(HOST, self.checker.clocks[self.name])
+        self.checker._join(self.checker.issuer, self.checker.clocks[self.name])
 
     def query(self) -> bool:
         self.synchronize()  # on the CPU the work is done: the host learns so
@@ -115,7 +121,7 @@ class Event:
 
     def synchronize(self) -> None:
         if self.clock is not None:
-            self.checker._join(HOST, self.clock)
+            self.checker._join(self.checker.issuer, self.clock)
 
     def elapsed_time(self, end: "Event") -> float:
         return 0.0
@@ -156,7 +162,9 @@ class StreamChecker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clocks: dict[str, dict[str, int]] = {HOST: {HOST: 0}, COMPUTE: {COMPUTE: 0}}
+        self.clocks: dict[str, dict[str, int]] = {HOST: {HOST: 0}, WORKER: {WORKER: 0}, COMPUTE: {COMPUTE: 0}}
+        self.issuer = HOST  # the host thread that runs the code now: the host's own, or the gather worker
+        self.jobs = 0
         self.current = Stream(self, COMPUTE)
         self.races: list[str] = []
         self.last_error: str | None = None
@@ -175,7 +183,7 @@ class StreamChecker(TorchDispatchMode):
     # --- Runtime ---------------------------------------------------------------------------
 
     def new_stream(self) -> Stream:
-        name = f"side{len(self.clocks) - 1}"
+        name = f"side{len(self.clocks) - 2}"  # (after the host, the worker and the compute stream)
         self.clocks[name] = {name: 0}
         return Stream(self, name)
 
@@ -217,9 +225,30 @@ class StreamChecker(TorchDispatchMode):
         return tensor
 
     def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """The host thread's copy: its accesses are the host's, ordered after what the host has waited for."""
-        with self.use_stream(Stream(self, HOST)):
+        """A host thread's copy: its accesses are that thread's, ordered after what it has waited for."""
+        with self.use_stream(Stream(self, self.issuer)):
             target.copy_(source)
+
+    def submit(self, job) -> Future:
+        """The gather worker runs ``job`` at once, as a thread of its own: ordered after what the host did
+        before it submitted the job, but the host is ordered after the job only once it ``wait``s for it."""
+        self._tick(HOST)
+        self._join(WORKER, self.clocks[HOST])
+        future: Future = Future()
+        previous, self.issuer = self.issuer, WORKER
+        try:
+            future.set_result(job())
+        except BaseException as error:  # noqa: B036 (handed to the waiter, as the executor does)
+            future.set_exception(error)
+        finally:
+            self.issuer = previous
+            self.jobs += 1
+        future.worker_clock = dict(self.clocks[WORKER])
+        return future
+
+    def wait(self, future: Future):
+        self._join(HOST, future.worker_clock)
+        return future.result()
 
     def empty_cache(self) -> None:
         """Pooled memory goes back to the driver. Since it was freed, any kernel of the stream whose
@@ -275,7 +304,9 @@ class StreamChecker(TorchDispatchMode):
     def _tick(self, stream: str) -> None:
         clock = self.clocks[stream]
         clock[stream] += 1
-        clock[HOST] = max(clock.get(HOST, 0), self.clocks[HOST][HOST])  # issued after the host's earlier work
+        if stream not in (HOST, WORKER):  # issued after the issuing thread's earlier work
+            issuer = self.issuer
+            clock[issuer] = max(clock.get(issuer, 0), self.clocks[issuer][issuer])
 
     def _join(self, stream: str, other: dict[str, int]) -> None:
         clock = self.clocks[stream]

@@ -15,7 +15,7 @@ from torch import nn
 from offload_core import CudaHostRegister, apply_group_offload
 from offload_core.mirror import HOST_REGISTER_PORTABLE
 from offload_core.runtime import CudaRuntime
-from stream_checker import COMPUTE, HOST, StreamChecker
+from stream_checker import COMPUTE, HOST, WORKER, StreamChecker
 from test_core_engine import make_pair
 
 
@@ -249,7 +249,7 @@ def test_groups_pinning_refused_stream_through_the_pinned_staging_ring(checker, 
             assert torch.equal(offloaded(x), expected)
     stats = handle.stats()
     copies = [{n for n in touched if n.startswith("host buffer")} for stream, touched, written in checker.launches
-              if stream not in (COMPUTE, HOST) and written]
+              if stream not in (COMPUTE, HOST, WORKER) and written]
     pinned_mirror = {f"host buffer {handle.groups[0].mirror.buffer.data_ptr():#x}"}
     assert all(len(read) == 1 for read in copies), "each copy to the device reads one pinned buffer"
     assert len(set().union(*copies)) == 3, "the pinned group's mirror and the two staging buffers"

@@ -1,0 +1,180 @@
+"""Host memory that is not ours to pack: memory-mapped files, where tensors lie, which pages are cached.
+
+A group beyond the host budget keeps its tensors where they are. When they are views of a mapped
+file (the loader maps the .safetensors file; newest ComfyUI maps it too), they cost no anonymous
+memory: the kernel keeps the pages in its page cache, drops them under pressure and reads them
+again. This module maps a file, tells which tensors lie in file mappings (``/proc/self/maps``), how
+much of a range the page cache holds (``mincore``), and guards against the file changing on disk,
+which would make the next read of a dropped page a SIGBUS.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+#: Pages compared to tell a file restored on disk (same bytes, new modification time) from a changed one.
+_FINGERPRINT_PAGES = 64
+
+
+class SourceChangedError(ValueError):
+    """A file that offloaded groups stream from changed on disk since they were mapped."""
+
+
+def map_file(path: str | os.PathLike) -> torch.Tensor:
+    """The whole file as a flat ``uint8`` tensor over a private mapping: its pages are file-backed
+    (page cache), never anonymous memory, as long as nothing writes them (the offloader never does)."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)  # the tensor keeps it open
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    offset: int  # where ``start`` lies in the file
+    device: int
+    inode: int
+    path: str
+
+
+class FileMappings:
+    """This process's file mappings, as ``/proc/self/maps`` lists them when it is read (Linux; elsewhere none)."""
+
+    def __init__(self) -> None:
+        self._mappings: list[_Mapping] = []
+        try:
+            lines = Path("/proc/self/maps").read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/"):
+                continue  # anonymous memory, the heap, the stack, [vdso]...
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            self._mappings.append(_Mapping(start, end, int(fields[2], 16), os.makedev(major, minor),
+                                           int(fields[4]), fields[5].removesuffix(" (deleted)")))
+        self._mappings.sort(key=lambda m: m.start)
+        self._starts = [m.start for m in self._mappings]
+
+    def find(self, tensor: torch.Tensor) -> _Mapping | None:
+        """The file mapping ``tensor``'s bytes lie in, if any."""
+        if not self._mappings or tensor.device.type != "cpu" or tensor.numel() == 0:
+            return None
+        pointer = tensor.data_ptr()
+        i = bisect.bisect_right(self._starts, pointer) - 1
+        if i < 0 or pointer + _extent(tensor) > self._mappings[i].end:
+            return None
+        return self._mappings[i]
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from ``tensor``'s first element to past its last."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return span * tensor.element_size()
+
+
+class SourceFiles:
+    """The files some tensors are mapped from, with what each must still be for those mappings to be read safely."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[int, int], _SourceFile] = {}
+
+    def add(self, mapping: _Mapping, tensor: torch.Tensor) -> None:
+        """``tensor`` lies in ``mapping``: its file must keep holding the bytes under it."""
+        needed = mapping.offset + tensor.data_ptr() - mapping.start + _extent(tensor)
+        key = (mapping.device, mapping.inode)
+        if key not in self._files:
+            self._files[key] = _SourceFile(mapping.path, mapping.device, mapping.inode)
+        self._files[key].needed = max(self._files[key].needed, needed)
+
+    def seal(self) -> None:
+        """Take each file's size, time and fingerprint as they are now: what ``check`` compares with."""
+        for source in self._files.values():
+            source.seal()
+
+    def check(self) -> None:
+        """``SourceChangedError`` if a file shrank below its mapped bytes or changed on disk since ``seal``."""
+        for source in self._files.values():
+            source.check()
+
+    @property
+    def paths(self) -> list[str]:
+        return [source.path for source in self._files.values()]
+
+
+class _SourceFile:
+    def __init__(self, path: str, device: int, inode: int) -> None:
+        self.path, self.device, self.inode = path, device, inode
+        self.needed = 0
+        self.mtime_ns = 0
+        self.fingerprint = 0
+
+    def seal(self) -> None:
+        self.mtime_ns = os.stat(self.path).st_mtime_ns
+        self.fingerprint = self._fingerprint()
+
+    def check(self) -> None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return  # removed: the mapping keeps the inode, and its bytes, alive
+        if (stat.st_dev, stat.st_ino) != (self.device, self.inode):
+            return  # replaced by another file: the mapping still reads the one it mapped
+        name = Path(self.path).name
+        if stat.st_size < self.needed:
+            raise SourceChangedError(
+                f"{name} is now {stat.st_size} bytes on disk, but the offloaded model streams {self.needed} bytes "
+                f"of it from its memory mapping: restore the file (the model runs again once it is whole), or load "
+                f"the model again")
+        if stat.st_mtime_ns != self.mtime_ns:
+            if self._fingerprint() != self.fingerprint:
+                raise SourceChangedError(
+                    f"{name} changed on disk since the offloaded model mapped it: its weights would no longer be the "
+                    f"ones it was loaded with. Restore the file, or load the model again")
+            self.mtime_ns = stat.st_mtime_ns  # rewritten with the same bytes (restored)
+            log.info("Group Offload: %s was rewritten on disk with the same bytes; streaming from it goes on", name)
+
+    def _fingerprint(self) -> int:
+        """A checksum of pages spread over the mapped bytes, read through the file, never the mapping."""
+        step = max(_PAGE, self.needed // _FINGERPRINT_PAGES // _PAGE * _PAGE)
+        checksum = 0
+        with open(self.path, "rb") as file:
+            for offset in range(0, self.needed, step):
+                checksum = zlib.crc32(os.pread(file.fileno(), _PAGE, offset), checksum)
+        return checksum
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def uncached_bytes(tensor: torch.Tensor) -> int | None:
+    """How many bytes of ``tensor``'s pages the page cache does not hold (the next read goes to the disk);
+    None where that cannot be asked (not Linux)."""
+    if _libc is None or tensor.numel() == 0:
+        return None
+    start = tensor.data_ptr() // _PAGE * _PAGE
+    end = tensor.data_ptr() + _extent(tensor)
+    pages = -(-(end - start) // _PAGE)
+    residency = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), residency) != 0:
+        return None
+    missing = pages - int(torch.frombuffer(residency, dtype=torch.uint8).bitwise_and(1).sum())
+    return min(missing * _PAGE, tensor.numel() * tensor.element_size())

@@ -1,0 +1,210 @@
+"""Groups beyond the host budget: kept in place (views of a mapped file), gathered at each onload.
+
+On the host as the device, and under the stream checker standing in for CUDA (the staging ring and
+its gather worker), with the engine's own code and torch's kernels running for real.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offload_core import SourceChangedError, apply_group_offload, map_file
+from offload_core.hostmem import uncached_bytes
+from offload_core.residency import plan_packing
+from stream_checker import HOST, RaceError, StreamChecker
+from test_core_engine import make_pair
+
+ALIGN = 64
+
+
+def map_blocks(model: nn.Module, path: Path) -> torch.Tensor:
+    """Write the blocks' tensors into ``path`` back to back and point the blocks at views of its mapping,
+    as the loader does with a .safetensors file; returns the mapping."""
+    slots = [(module, table, name) for module in model.blocks.modules()
+             for table in (module._parameters, module._buffers) for name, t in table.items() if t is not None]
+    offsets, cursor, chunks = [], 0, []
+    for module, table, name in slots:
+        data = table[name].detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        offsets.append(cursor)
+        chunks.append(data + bytes(-len(data) % ALIGN))
+        cursor += len(chunks[-1])
+    path.write_bytes(b"".join(chunks))
+    mapping = map_file(path)
+    for (module, table, name), offset in zip(slots, offsets):
+        tensor = table[name]
+        view = mapping[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        if isinstance(tensor, nn.Parameter):
+            tensor.data = view
+        else:
+            table[name] = view
+    return mapping
+
+
+def mapped_pair(tmp_path: Path) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    reference, offloaded, x = make_pair("cpu")
+    map_blocks(offloaded, tmp_path / "blocks.bin")
+    return reference, offloaded, x
+
+
+def host_bytes(model: nn.Module) -> int:
+    """The bytes the blocks' groups hold, packed (what a host budget counts)."""
+    probe = apply_group_offload(model, model.blocks, "cpu", host_budget=0)
+    total = probe.stats()["host_bytes"]
+    probe.remove()
+    return total
+
+
+def test_packing_plan_spreads_the_budget_over_the_streamed_groups_first():
+    sizes, resident = [10] * 8, [False] * 6 + [True] * 2
+    assert plan_packing(sizes, resident, None) == [True] * 8
+    assert plan_packing(sizes, resident, 0) == [False] * 8
+    assert plan_packing(sizes, resident, 30) == [True, False, True, False, True, False, False, False]
+    assert plan_packing(sizes, resident, 70) == [True] * 6 + [True, False], "then the resident ones"
+    assert plan_packing(sizes, resident, 9) == [False] * 8, "a group is packed whole or not at all"
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_groups_beyond_the_budget_are_gathered_from_the_mapped_file(tmp_path, share, prefetch):
+    reference, offloaded, x = mapped_pair(tmp_path)
+    total = host_bytes(offloaded)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=prefetch, host_budget=int(share * total))
+    stats = handle.stats()
+    in_place = [g for g in handle.groups if not g.mirror.packed]
+    assert stats["packed_bytes"] <= share * total and stats["packed_bytes"] + stats["in_place_bytes"] == stats["host_bytes"]
+    assert stats["file_backed_bytes"] == stats["in_place_bytes"] == sum(g.nbytes for g in in_place)
+    assert (len(in_place) == len(handle.groups)) == (share == 0.0) and (not in_place) == (share == 1.0)
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(offloaded(x), expected)
+        handle.reset_stats()  # a pass in the steady state: its last group prefetches the next pass's first
+        assert torch.equal(offloaded(x), expected)
+    stats = handle.stats()
+    assert stats["gathers"] == len(in_place) and stats["gathered_bytes"] == stats["in_place_bytes"]
+    handle.remove()
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), expected), "removed: the blocks compute from the mapped file"
+
+
+def test_tensors_kept_in_place_are_the_files_own_pages(tmp_path):
+    _, offloaded, _ = mapped_pair(tmp_path)
+    mapped = {t.data_ptr() for t in offloaded.blocks.state_dict().values()}
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
+    assert {t.data_ptr() for t in offloaded.blocks.state_dict().values()} == mapped, "nothing copied on the host"
+    handle.remove()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("resident_share", [0.0, 0.5])
+def test_the_staging_ring_and_its_worker_are_ordered(tmp_path, checker, prefetch, resident_share):
+    """On a CUDA device the groups kept in place are gathered into the pinned staging ring by the worker
+    thread, then copied to the device on the copy stream: every access ordered, the ring pinned, the
+    mapped file never."""
+    reference, offloaded, x = mapped_pair(tmp_path)
+    total = host_bytes(offloaded)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=prefetch, runtime=checker,
+                                 host_budget=total // 3, resident_bytes=int(resident_share * total))
+    stats = handle.stats()
+    largest = max(g.nbytes for g in handle.groups)
+    assert stats["staging_bytes"] == 2 * largest and stats["in_place_bytes"] > 0
+    assert not any(g.mirror.pinned for g in handle.groups if not g.mirror.packed)
+    with torch.inference_mode():
+        expected = reference(x)
+        handle.reset_stats()
+        for _ in range(3):
+            assert torch.equal(offloaded(x), expected)
+    stats = handle.stats()
+    streamed_in_place = [g for g in handle.groups if not g.mirror.packed and not g.resident]
+    assert checker.jobs >= 3 * len(streamed_in_place) and stats["gathers"] >= 3 * len(streamed_in_place)
+    handle.remove()
+    assert checker.cudart.registered == {}, "the ring goes with the handle"
+
+
+def test_without_the_wait_for_the_sent_copy_the_worker_races_the_copy_stream(tmp_path, stream_checker, monkeypatch):
+    from offload_core.staging import StagingRing
+
+    _, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=stream_checker, host_budget=0)
+    sent = StagingRing.sent
+    monkeypatch.setattr(StagingRing, "sent", lambda self, index, stream: None)  # no event: no wait
+    with torch.inference_mode(), pytest.raises(RaceError, match="host buffer.*on stream worker"):
+        offloaded(x)
+    monkeypatch.setattr(StagingRing, "sent", sent)
+    handle.remove()
+
+
+def test_the_host_waits_for_the_worker_before_the_compute_reads_its_copy(tmp_path, stream_checker):
+    """The compute stream may run a group only after the worker queued its copy and the copy ran: dropping
+    the wait for the worker's result leaves the compute reading a slab nobody ordered it after."""
+    _, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=stream_checker, host_budget=0)
+    def without_waiting(group, raising=True):  # the event the worker may not have recorded yet: waiting on it is a no-op
+        group.pending, group.ready = None, stream_checker.new_event()
+
+    handle._take_ready = without_waiting
+    with torch.inference_mode(), pytest.raises(RaceError, match="on stream compute"):
+        offloaded(x)
+    del handle._take_ready
+    handle.remove()
+
+
+def test_a_file_that_shrinks_or_changes_is_refused_until_restored(tmp_path):
+    reference, offloaded, x = mapped_pair(tmp_path)
+    path = tmp_path / "blocks.bin"
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
+    original = path.read_bytes()
+    handle.check_sources()
+    os.truncate(path, len(original) // 2)
+    with pytest.raises(SourceChangedError, match=r"blocks\.bin is now \d+ bytes on disk.*restore the file"):
+        handle.check_sources()
+    path.write_bytes(original)  # restored: same bytes, a new modification time
+    handle.check_sources()
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    changed = bytearray(original)
+    changed[: len(changed) // 2] = bytes(len(changed) // 2)
+    path.write_bytes(bytes(changed))
+    with pytest.raises(SourceChangedError, match=r"blocks\.bin changed on disk"):
+        handle.check_sources()
+    path.write_bytes(original)
+    handle.check_sources()
+    handle.remove()
+
+
+def test_a_packed_handle_has_no_sources_to_check(tmp_path):
+    _, offloaded, _ = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    os.truncate(tmp_path / "blocks.bin", 0)
+    handle.check_sources()  # every group packed: nothing reads the file any more
+    assert handle.stats()["in_place_bytes"] == 0
+    handle.remove()
+
+
+def test_gathers_count_what_came_from_the_disk(tmp_path):
+    _, offloaded, x = make_pair("cpu")
+    mapping = map_blocks(offloaded, tmp_path / "blocks.bin")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
+    with open(tmp_path / "blocks.bin", "rb") as file:  # (the handle read a sample of its pages)
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if not uncached_bytes(mapping):
+        pytest.skip("the kernel kept the file's pages cached (fadvise DONTNEED dropped nothing)")
+    with torch.inference_mode():
+        offloaded(x)
+        first = handle.stats()["gathered_from_disk_bytes"]
+        handle.reset_stats()
+        offloaded(x)
+    assert first > 0 and handle.stats()["gathered_from_disk_bytes"] == 0, "the second pass reads the page cache"
+    handle.remove()
+
+
+def test_bad_host_budgets_are_refused(tmp_path):
+    _, offloaded, _ = make_pair("cpu")
+    with pytest.raises(ValueError, match="host_budget must be"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=-1)
+    with pytest.raises(ValueError, match="fill writes every tensor"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0, fill=lambda name, view: None)
