@@ -18,7 +18,8 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, apply_group_offload, format_bytes, handle_of
 from .blocks import block_entry_methods, find_blocks
-from .memory import module_bytes, plan_blocks, raw_group_bytes, room_on_the_card
+from .memory import (anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks, raw_group_bytes,
+                     room_on_the_card)
 from .settings import OffloadSettings
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,7 @@ class ComfyPinner:
     def __init__(self, owner: nn.Module) -> None:
         self._owner = weakref.ref(owner)
 
-    @staticmethod
-    def enabled() -> bool:
-        """False under ``--cpu`` or ``--disable-pinned-memory``, where ComfyUI pins nothing."""
-        return mm.MAX_PINNED_MEMORY > 0
+    enabled = staticmethod(pinning_enabled)
 
     def pin(self, buffer: torch.Tensor) -> bool:
         return _make_pin_room(buffer.nbytes, keep=self._owner()) and bool(
@@ -55,8 +53,9 @@ class ComfyPinner:
 
 
 def warn_if_unpinned(handle: GroupOffloadHandle) -> None:
-    """One warning per load when some streamed groups copy from pageable memory."""
-    streamed = [g for g in handle.groups if not g.resident]
+    """One warning per load when some streamed packed groups copy from pageable memory (those the host budget
+    left in place are never pinned: they always stream through the staging buffers)."""
+    streamed = [g for g in handle.groups if not g.resident and g.mirror.packed]
     pinned = [g for g in streamed if g.mirror.pinned]
     if len(pinned) == len(streamed) or not ComfyPinner.enabled():
         return
@@ -90,8 +89,8 @@ def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
 
 def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
                  fill=None) -> GroupOffloadHandle:
-    """Pack the blocks into host mirrors (with a ComfyUI progress bar), pin the ones planned to
-    stream, and hook them."""
+    """Pack the blocks into host mirrors (with a ComfyUI progress bar) as far as the host budget allows,
+    pin the ones planned to stream, and hook them."""
     global _cpu_notice_given
     if torch.device(device).type == "cpu" and not _cpu_notice_given:
         _cpu_notice_given = True
@@ -102,12 +101,15 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     other_bytes = mm.module_size(model) - module_bytes(blocks)
     plan = plan_blocks(settings, raw_group_bytes(blocks, settings.blocks_per_group),  # so it pins what will stream
                        room_on_the_card(model, device, other_bytes))
+    packed_budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
+                                freed_by_packing=anonymous_host_bytes(blocks))
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
         resident_bytes=plan.resident_bytes,
+        host_budget=packed_budget,
         pin_memory=ComfyPinner.enabled(),
         entry_methods=block_entry_methods(model.diffusion_model),
         fill=fill,
@@ -115,7 +117,33 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         progress=lambda done, total: bar.update_absolute(done, total),
     )
     _guard(model, handle)
+    _BUILT_WITH[handle] = settings.handle_layout()
+    _log_host_copies(handle, settings, packed_budget)
     return handle
+
+
+def packed_host_bytes() -> int:
+    """The packed host copies every offloaded model alive holds (what a shared host budget already spent)."""
+    handles = (ref() for ref in list(_HANDLES.values()))
+    return sum(handle.stats()["packed_bytes"] for handle in handles if handle is not None)
+
+
+def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, packed_budget: int | None) -> None:
+    stats = handle.stats()
+    in_place = (f", {format_bytes(stats['in_place_bytes'])} left in place ({format_bytes(stats['file_backed_bytes'])} "
+                f"of it file-backed, read through the page cache)" if stats["in_place_bytes"] else "")
+    allowed = "all of it fits" if packed_budget is None else f"{format_bytes(packed_budget)} allowed"
+    log.info("Group Offload: %s of the blocks packed in host memory%s (host_memory %s: %s)",
+             format_bytes(stats["packed_bytes"]), in_place, settings.host_memory, allowed)
+
+
+# Handle -> the settings it was built for (``OffloadSettings.handle_layout``): other settings need a new handle.
+_BUILT_WITH: "weakref.WeakKeyDictionary[GroupOffloadHandle, tuple]" = weakref.WeakKeyDictionary()
+
+
+def built_for(handle: GroupOffloadHandle) -> tuple | None:
+    """The ``handle_layout`` of the settings ``build_handle`` built ``handle`` for."""
+    return _BUILT_WITH.get(handle)
 
 
 # --- guard -------------------------------------------------------------------------------------

@@ -1,21 +1,25 @@
-"""How many device bytes the resident groups may use, from ComfyUI's own memory figures.
+"""How many device bytes the resident groups may use, from ComfyUI's own memory figures; and how many host
+bytes the packed host copies may use.
 
 ``plan_blocks`` is the one place that turns the settings and the memory free into a resident budget;
 the patcher's ``model_size``, the handle's build and ``load`` all call it. Which groups that budget
-keeps resident is the core's rule (``offload_core.plan_residency``).
+keeps resident is the core's rule (``offload_core.plan_residency``). ``host_budget`` is the one place
+that turns the settings and the RAM available into a host budget, once, when the handle is built.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch import nn
 
 import comfy.model_management as mm
 
-from ..offload_core import device_footprint, packed_nbytes, plan_residency, split_into_groups
-from .settings import OffloadSettings
+from ..offload_core import device_footprint, flatten, packed_nbytes, plan_residency, split_into_groups
+from ..offload_core.hostmem import FileMappings
+from .settings import GB, OffloadSettings
 
 # ComfyUI's sampler runs cond and uncond as one call only while 1.5 × that call's estimated memory is
 # free (``samplers._calc_cond_batch``); with less, each streamed group is copied once per half.
@@ -92,3 +96,64 @@ def plan_blocks(settings: OffloadSettings, group_bytes: list[int], free_bytes: f
         granted = room if granted_bytes is None else min(granted_bytes - other_bytes - slabs - patch_bytes, room)
         resident_bytes = max(0, int(granted))
     return BlocksPlan(resident_bytes, tuple(group_bytes), settings.prefetch)
+
+
+# --- host memory ----------------------------------------------------------------------------------
+
+# The RAM ``host_memory = auto`` leaves free beside the packed host copies, for what comes after the model
+# is built: the text encoder ComfyUI loads for the prompt (Qwen-Image's is 9 GB in fp8), the VAE, the
+# latents and images, the OS, and the page cache that groups left in place are read through (what it holds
+# of the model file is read at RAM speed rather than the disk's). A share of RAM, so that it grows with the
+# models a machine runs, and at least 4 GB on a small one: 4.8 GB of 32 GB, 9.6 GB of 64 GB, 19 GB of 128 GB.
+HOST_HEADROOM_MIN = 4 * GB
+HOST_HEADROOM_SHARE = 0.15
+
+
+def pinning_enabled() -> bool:
+    """False under ``--cpu`` or ``--disable-pinned-memory``, where ComfyUI pins nothing."""
+    return mm.MAX_PINNED_MEMORY > 0
+
+
+def host_headroom(total_bytes: int) -> int:
+    """The RAM ``auto`` leaves to the rest of the machine, out of ``total_bytes``."""
+    return max(HOST_HEADROOM_MIN, int(HOST_HEADROOM_SHARE * total_bytes))
+
+
+def anonymous_host_bytes(blocks: list[nn.Module]) -> int:
+    """Host memory the blocks' tensors hold outside file mappings (ComfyUI's own tensors, on the node's path on
+    ComfyUI 0.3.75): packing a group lets its tensors go, so these bytes cost packed host copies nothing."""
+    mappings = FileMappings()
+    storages: dict[int, int] = {}
+    for module in blocks:
+        for tensor in (*module.parameters(), *module.buffers()):
+            for part in flatten(tensor)[1]:  # a quantized weight's data and scales
+                if part.device.type == "cpu" and mappings.find(part) is None:
+                    storage = part.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def auto_host_bytes(freed_by_packing: int) -> int:
+    """What ``host_memory = auto`` may pack now: the RAM available less ``host_headroom``, plus what packing
+    frees (``anonymous_host_bytes``), and no more than ComfyUI's pinned-memory limit still allows where it
+    pins (the streamed copies are pinned); never below 0."""
+    memory = psutil.virtual_memory()
+    room = memory.available - host_headroom(memory.total) + freed_by_packing
+    if pinning_enabled():
+        room = min(room, mm.MAX_PINNED_MEMORY - mm.TOTAL_PINNED_MEMORY)
+    return max(0, int(room))
+
+
+def host_budget(settings: OffloadSettings, block_bytes: int, *, packed_elsewhere: int,
+                freed_by_packing: int) -> int | None:
+    """The packed host copies a model about to be built may hold, in bytes (``apply_group_offload``'s
+    ``host_budget``); None when all ``block_bytes`` fit, which packs every group as before host budgets.
+
+    ``auto``: ``auto_host_bytes(freed_by_packing)``. ``budget``: ``host_gb``, one budget for every offloaded
+    model, less what the others already hold packed (``packed_elsewhere``).
+    """
+    if settings.host_memory == "budget":
+        budget = max(0, settings.host_bytes() - packed_elsewhere)
+    else:
+        budget = auto_host_bytes(freed_by_packing)
+    return None if block_bytes <= budget else budget

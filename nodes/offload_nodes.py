@@ -40,8 +40,9 @@ HOST_INPUTS: dict[str, tuple] = {
                    "of packed host copies, shared by all offloaded models."}),
     "host_gb": ("FLOAT", {
         "default": OffloadSettings.host_gb, "min": GB_INPUT_MIN, "max": GB_INPUT_MAX, "step": 0.5,
-        "tooltip": "Host memory (GB) for packed copies of the blocks, shared by all offloaded models; used only when "
-                   "host_memory is budget. 0 leaves every group in place (file-backed with the Group Offload loader)."}),
+        "tooltip": "Host memory (GB) for packed copies of the blocks, shared by all offloaded models; used only "
+                   "when host_memory is budget. 0 leaves every group in place (file-backed with the Group Offload "
+                   "loader)."}),
 }
 HIDDEN = {"unique_id": "UNIQUE_ID"}
 

@@ -49,7 +49,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, call_backing_off, check_offloadable,
                             format_bytes, handle_of)
 from .blocks import block_list_owners, block_list_paths, find_blocks
-from .handles import (build_handle, handle_for_model, mark_run_started, own_handle, remove_handle,
+from .handles import (build_handle, built_for, handle_for_model, mark_run_started, own_handle, remove_handle,
                       warn_if_unpinned)
 from .lora import BlockPatches
 from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
@@ -195,10 +195,14 @@ class GroupOffloadPatcher(ModelPatcher):
         super().cleanup()
 
     def plan_for_run(self, activation_bytes: int) -> None:
-        """Before ComfyUI loads this model for a sampling run: ``auto`` plans for ``activation_bytes``
-        of activations (ComfyUI's estimate for the run). The plan in effect is made again when the run
-        needs other room than the last one (its latent may be smaller) or the last run backed off."""
+        """Before ComfyUI loads this model for a sampling run: the files the groups left in place map must
+        be as they were (``SourceChangedError`` fails the run with a node error, before any of their pages
+        is read); ``auto`` plans for ``activation_bytes`` of activations (ComfyUI's estimate for the run).
+        The plan in effect is made again when the run needs other room than the last one (its latent may
+        be smaller) or the last run backed off."""
         handle = self.current_handle()
+        if handle is not None:
+            handle.check_sources()
         backed_off = handle is not None and handle.backed_off
         replan = self.offload_settings.residency == "auto" and RUN_ACTIVATIONS.get(self.model) != activation_bytes
         RUN_ACTIVATIONS[self.model] = activation_bytes
@@ -219,9 +223,8 @@ class GroupOffloadPatcher(ModelPatcher):
         """The handle on this model's blocks, built (or rebuilt for a new layout) on demand."""
         settings = self.offload_settings
         handle = self.current_handle()
-        built_for = None if handle is None else (handle.config.blocks_per_group, handle.config.prefetch,
-                                                 handle.config.onload_device)
-        if handle is not None and built_for != (settings.blocks_per_group, settings.prefetch, torch.device(device)):
+        if handle is not None and (built_for(handle) != settings.handle_layout()
+                                   or handle.config.onload_device != torch.device(device)):
             remove_handle(self.model)  # the new handle adopts the packed host buffers as they are
             handle = None
         if handle is None:

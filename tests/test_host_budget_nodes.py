@@ -1,0 +1,231 @@
+"""The host budget on the nodes (issue 23): the ``host_memory`` / ``host_gb`` inputs and their checks, the budget
+they give a model about to be built (``auto`` from the RAM available and ComfyUI's pinned-memory limit, ``budget``
+shared by every offloaded model), prompts saved before the inputs existed, and the check of the mapped files
+before each run. What a budget saves in host memory is measured in test_host_budget.py."""
+from __future__ import annotations
+
+import gc
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from live_server import ComfyServer, PromptRejected, txt2img_workflow
+from pack_modules import pack_module
+from run_nodes import run_txt2img
+from test_nodes import (OFFLOAD_DEFAULTS, load_offloaded, load_plain, models, offload,  # noqa: F401 (models: a fixture)
+                        offload_handle)
+
+GiB = 1024**3
+HOST_INPUTS = {"host_memory": "auto", "host_gb": 0.0}
+NODES = ["GroupOffload", "GroupOffloadLoader"]
+
+
+def node_class(name: str):
+    return pack_module("nodes.offload_nodes").NODE_CLASS_MAPPINGS[name]
+
+
+# --- the inputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_both_nodes_take_the_host_inputs_as_optional_ones_with_their_defaults(comfy, node):
+    spec = node_class(node).INPUT_TYPES()
+    assert set(HOST_INPUTS).isdisjoint(spec["required"])
+    assert list(spec["optional"]) == list(HOST_INPUTS)
+    assert {name: options[1]["default"] for name, options in spec["optional"].items()} == HOST_INPUTS
+    assert spec["optional"]["host_memory"][0] == ["auto", "budget"]
+    assert (spec["optional"]["host_gb"][1]["min"], spec["optional"]["host_gb"][1]["max"]) == (0.0, 4096.0)
+
+
+@pytest.mark.parametrize("inputs, problem", [
+    ({"host_memory": "sometimes"}, "host_memory must be one of auto, budget, got 'sometimes'"),
+    ({"host_gb": -1.0}, "host_gb must be a finite number from 0 to 4096 (GB), got -1.0"),
+    ({"host_gb": 4097.0}, "host_gb must be a finite number from 0 to 4096 (GB), got 4097.0"),
+    ({"host_gb": math.nan}, "host_gb must be a finite number from 0 to 4096 (GB), got nan"),
+    ({"host_gb": math.inf}, "host_gb must be a finite number from 0 to 4096 (GB), got inf"),
+])
+def test_out_of_range_host_settings_are_refused_naming_the_input(comfy, inputs, problem):
+    with pytest.raises(ValueError) as refused:
+        pack_module("nodes.settings").OffloadSettings(**inputs).validate()
+    assert str(refused.value) == problem
+
+
+def test_in_range_host_settings_pass(comfy):
+    settings = pack_module("nodes.settings")
+    for host_memory in ("auto", "budget"):
+        for host_gb in (0.0, 0.5, 4096.0):
+            settings.OffloadSettings(host_memory=host_memory, host_gb=host_gb).validate()
+    assert settings.OffloadSettings(host_gb=1.5).host_bytes() == int(1.5 * GiB)
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_input_validation_checks_host_gb_and_lets_older_prompts_and_links_through(comfy, node):
+    validate = node_class(node).VALIDATE_INPUTS
+    assert validate(resident_gb=0.0) is True  # a prompt saved before host_gb existed
+    assert validate(resident_gb=0.0, host_gb=12.0) is True
+    assert validate(resident_gb=0.0, host_gb=None) is True  # linked: checked when the node runs
+    assert validate(resident_gb=0.0, host_gb=math.nan) == "host_gb must be a finite number from 0 to 4096 (GB), got nan"
+    assert validate(resident_gb=-1.0, host_gb=1.0).startswith("resident_gb must be")
+
+
+def test_a_bad_host_memory_fails_the_node(models):
+    with pytest.raises(ValueError, match="host_memory must be one of auto, budget"):
+        offload(load_plain(), host_memory="sometimes")
+
+
+# --- prompts saved before the inputs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["node", "loader"])
+def test_a_prompt_without_the_host_inputs_packs_every_group_as_before(models, via):
+    expected = run_txt2img(load_plain(), seed=21).latent
+    model = offload(load_plain()) if via == "node" else load_offloaded()  # the four inputs of older prompts
+    assert (model.offload_settings.host_memory, model.offload_settings.host_gb) == ("auto", 0.0)
+    assert torch.equal(run_txt2img(model, seed=21).latent, expected)
+    stats = offload_handle(model).stats()
+    assert stats["packed_bytes"] == stats["host_bytes"] > 0 and stats["in_place_bytes"] == 0
+
+
+def test_api_prompts_with_and_without_the_host_inputs_run_and_a_nan_host_gb_is_refused(comfy_server: ComfyServer):
+    name = comfy_server.models.unet_name
+    old = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+    for seed, options in ((91, old), (92, old | {"host_memory": "budget", "host_gb": 0.0})):
+        entry = comfy_server.run(txt2img_workflow(name, seed=seed, model_patch=("GroupOffload", options)))
+        assert comfy_server.output_images(entry)
+    with pytest.raises(PromptRejected) as rejected:
+        comfy_server.queue(txt2img_workflow(name, seed=93, model_patch=("GroupOffload", old | {"host_gb": math.nan})))
+    errors = rejected.value.body["node_errors"]["10"]["errors"]
+    assert {"type": "custom_validation_failed", "details": "host_gb - host_gb must be a finite number from 0 to 4096 "
+            "(GB), got nan"}.items() <= next(e for e in errors if e["details"].startswith("host_gb")).items()
+
+
+# --- the budget a model gets --------------------------------------------------------------------
+
+
+@pytest.fixture
+def machine(comfy, monkeypatch: pytest.MonkeyPatch):
+    """``machine(total, available, max_pinned, pinned)`` in GiB: what nodes.memory sees of RAM and pins."""
+    memory = pack_module("nodes.memory")
+
+    def set_up(total: float, available: float, max_pinned: float = -1, pinned: float = 0) -> None:
+        ram = SimpleNamespace(total=int(total * GiB), available=int(available * GiB))
+        monkeypatch.setattr(memory, "psutil", SimpleNamespace(virtual_memory=lambda: ram))
+        monkeypatch.setattr(memory.mm, "MAX_PINNED_MEMORY", max_pinned * GiB)
+        monkeypatch.setattr(memory.mm, "TOTAL_PINNED_MEMORY", int(pinned * GiB))
+
+    return set_up
+
+
+@pytest.mark.parametrize("total, available, max_pinned, pinned, blocks, freed, expected", [
+    (64, 40, -1, 0, 50, 0, 40 - 0.15 * 64),  # the headroom is 15 % of RAM...
+    (16, 10, -1, 0, 50, 0, 10 - 4),  # ...and never less than 4 GiB
+    (64, 40, -1, 0, 30, 0, None),  # the blocks fit: every group packed, as before host budgets
+    (64, 40, -1, 0, 40 - 0.15 * 64, 0, None),
+    (64, 20, -1, 0, 40, 40, None),  # the node's path: ComfyUI's own tensors go as their groups are packed
+    (64, 20, -1, 0, 40, 10, 20 - 0.15 * 64 + 10),
+    (64, 40, 30, 25, 50, 0, 5),  # no more than ComfyUI's pinned-memory limit still allows
+    (64, 40, 30, 25, 50, 20, 5),
+    (64, 40, 30, 31, 50, 0, 0),
+    (32, 3, -1, 0, 50, 0, 0),  # less available than the headroom: nothing packed
+    (32, 3, -1, 0, 0, 0, None),
+])
+def test_auto_budget_is_the_ram_available_less_a_headroom_within_the_pinned_limit(
+        machine, total, available, max_pinned, pinned, blocks, freed, expected):
+    memory, settings = pack_module("nodes.memory"), pack_module("nodes.settings")
+    machine(total, available, max_pinned, pinned)
+    budget = memory.host_budget(settings.OffloadSettings(), int(blocks * GiB), packed_elsewhere=7 * GiB,
+                                freed_by_packing=int(freed * GiB))
+    assert budget == (None if expected is None else pytest.approx(int(expected * GiB), abs=1))
+
+
+def test_packing_frees_the_blocks_anonymous_host_memory_not_their_file_pages(comfy, tmp_path):
+    memory, offload_core = pack_module("nodes.memory"), pack_module("offload_core")
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(4096 * 4))
+    mapped = offload_core.map_file(path).view(torch.float32)  # 4 pages of a file: its page cache, not RSS
+    block = torch.nn.Linear(64, 64)  # 16 KiB + 256 B of anonymous memory
+    block.register_buffer("in_file", mapped[:1024])
+    block.register_buffer("placeholder", torch.empty((), dtype=torch.float32).expand(4096))  # one element stored
+    block.register_buffer("alias", block.weight.data[0])  # the weight's storage, counted once
+    assert memory.anonymous_host_bytes([block]) == (64 * 64 + 64 + 1) * 4
+    assert memory.anonymous_host_bytes([block.to("meta")]) == 0
+
+
+@pytest.mark.parametrize("host_gb, blocks, elsewhere, expected", [
+    (2, 3, 0.5, 1.5),  # host_gb less what the other models hold packed
+    (2, 3, 3, 0),
+    (0, 3, 0, 0),  # nothing packed: every group in place
+    (2, 1, 0.5, None),  # the blocks fit what is left
+])
+def test_an_explicit_budget_is_host_gb_less_what_the_other_models_packed(machine, host_gb, blocks, elsewhere, expected):
+    memory, settings = pack_module("nodes.memory"), pack_module("nodes.settings")
+    machine(total=1, available=0)  # the RAM, and what packing frees, do not matter to an explicit budget
+    chosen = settings.OffloadSettings(host_memory="budget", host_gb=host_gb)
+    budget = memory.host_budget(chosen, int(blocks * GiB), packed_elsewhere=int(elsewhere * GiB),
+                                freed_by_packing=int(blocks * GiB))
+    assert budget == (None if expected is None else int(expected * GiB))
+
+
+def test_two_models_share_one_explicit_budget(models):
+    """The first model takes what it needs of host_gb, the second what is left; once the first is gone, a
+    third has the whole budget again. Every one computes exactly as the plain model."""
+    expected = run_txt2img(load_plain(), seed=22).latent
+    gc.collect()  # models earlier tests left to the garbage collector no longer count
+    elsewhere = pack_module("nodes.handles").packed_host_bytes()
+    first = offload(load_plain(), host_memory="budget", host_gb=0)  # only to measure the blocks
+    run_txt2img(first, seed=22)
+    block_bytes = offload_handle(first).stats()["host_bytes"]
+    host_gb = (elsewhere + 1.5 * block_bytes) / GiB
+    del first
+    gc.collect()
+
+    first, second = (offload(load_plain(), host_memory="budget", host_gb=host_gb) for _ in range(2))
+    assert torch.equal(run_txt2img(first, seed=22).latent, expected)
+    assert torch.equal(run_txt2img(second, seed=22).latent, expected)
+    first_stats, second_stats = offload_handle(first).stats(), offload_handle(second).stats()
+    assert first_stats["packed_bytes"] == first_stats["host_bytes"] == block_bytes
+    assert 0 < second_stats["packed_bytes"] <= 0.5 * block_bytes
+    assert second_stats["in_place_bytes"] == block_bytes - second_stats["packed_bytes"]
+    assert second_stats["gathered_bytes"] > 0, "the groups left in place were gathered for each copy"
+
+    del first
+    gc.collect()
+    third = offload(load_plain(), host_memory="budget", host_gb=host_gb)
+    assert torch.equal(run_txt2img(third, seed=22).latent, expected)
+    assert offload_handle(third).stats()["in_place_bytes"] == 0
+
+
+def test_a_changed_host_budget_rebuilds_the_handle(models):
+    plain = load_plain()
+    packed = offload(plain, host_memory="budget", host_gb=4096.0)
+    run_txt2img(packed, seed=23)
+    assert offload_handle(packed).stats()["in_place_bytes"] == 0
+    in_place = offload(plain, host_memory="budget", host_gb=0.0)
+    run_txt2img(in_place, seed=23)
+    stats = offload_handle(in_place).stats()
+    assert stats["packed_bytes"] == 0 and stats["in_place_bytes"] == stats["host_bytes"]
+
+
+# --- the files groups left in place read from ----------------------------------------------------
+
+
+def test_a_changed_source_fails_the_run_before_anything_is_read_and_the_model_runs_once_restored(models, monkeypatch):
+    offload_core = pack_module("offload_core")
+    expected = run_txt2img(load_plain(), seed=24).latent
+    model = offload(load_plain())  # the hook is the patcher's whatever the layout; the real file: the next test
+    run_txt2img(model, seed=24)
+    handle = offload_handle(model)
+
+    def changed() -> None:
+        raise offload_core.SourceChangedError("model.safetensors changed on disk since the offloaded model mapped it")
+
+    monkeypatch.setattr(handle, "check_sources", changed)
+    copies = handle.stats()["copies_h2d"]
+    with pytest.raises(offload_core.SourceChangedError, match="changed on disk"):
+        run_txt2img(model, seed=24)
+    assert handle.stats()["copies_h2d"] == copies, "no group was read"
+    monkeypatch.undo()  # the file restored
+    assert torch.equal(run_txt2img(model, seed=24).latent, expected)
+
