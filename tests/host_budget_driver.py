@@ -13,7 +13,7 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
 file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
 ComfyUI's own load is done, ``loaded``, ``sampled``) with its peak since the mark before, the handle's
-``stats()`` and the number of diffusion-model calls.
+``stats()`` after each diffusion-model call.
 """
 from __future__ import annotations
 
@@ -88,11 +88,13 @@ def load(spec: dict[str, Any], anon: AnonMarks):
     return run_node("GroupOffload", model=plain, **offload).outputs[0]
 
 
-def count_calls(model) -> list[int]:
-    """A counter of the diffusion model's calls (one per step when cond and uncond run as one batch)."""
-    calls = [0]
-    model.model.diffusion_model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
-    return calls
+def stats_after_each_call(model, offloaded: bool) -> list[dict[str, Any]]:
+    """The handle's ``stats()`` after each diffusion-model call (one call a step when cond and uncond run as one
+    batch), filled as the model runs; ``{}`` for each call of a model without offloading."""
+    after: list[dict[str, Any]] = []
+    model.model.diffusion_model.register_forward_hook(
+        lambda module, args, output: after.append(offload_handle(model).stats() if offloaded else {}))
+    return after
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -103,14 +105,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         anon.mark("before")
         model = load(spec, anon)
         anon.mark("loaded")
-        calls = count_calls(model)
+        calls = stats_after_each_call(model, offloaded=spec["via"] != "plain")
         latent = run_txt2img(model, seed=SEED, steps=STEPS).latent
         anon.mark("sampled")
     torch.save(latent, spec["latent"])
     return {
         "rss_anon": anon.marks,
-        "forwards": calls[0],
-        "stats": None if spec["via"] == "plain" else offload_handle(model).stats(),
+        "calls": calls,
     }
 
 
