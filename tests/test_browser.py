@@ -461,7 +461,8 @@ def test_live_readout_and_report_of_a_queued_workflow(browser_page: BrowserPage,
 
     # The loaded UI workflow is the prompt the test bed's API-format workflows describe.
     assert prompt[ids["offload"]]["class_type"] == "GroupOffload"
-    assert prompt[ids["offload"]]["inputs"] == {**OFFLOAD_WIDGETS, "model": [ids["unet"], 0]}
+    host_defaults = {"host_memory": "auto", "host_gb": 0}  # optional widgets: the front end sends their defaults
+    assert prompt[ids["offload"]]["inputs"] == {**OFFLOAD_WIDGETS, **host_defaults, "model": [ids["unet"], 0]}
     assert prompt[ids["sampler"]]["inputs"]["model"] == [ids["offload"], 0]
     assert prompt[ids["sampler"]]["inputs"]["steps"] == STEPS
     assert prompt[ids["report"]]["inputs"] == {"model": [ids["offload"], 0], "samples": [ids["sampler"], 0]}

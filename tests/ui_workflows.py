@@ -58,13 +58,15 @@ def widget_inputs(spec: InputSpec) -> list[tuple[str, tuple | list]]:
 
 
 def widget_values(node: dict, spec: InputSpec) -> dict[str, Any]:
-    """``{widget name: value}`` of a saved node."""
+    """``{widget name: value}`` of a saved node. Optional widgets past its saved values (inputs added since the
+    workflow was saved) have their defaults, as the front end loads them."""
     values = node.get("widgets_values") or []
     widgets = widget_inputs(spec)
-    if len(values) != len(widgets):
+    added = widgets[len(values):]
+    if len(values) > len(widgets) or any(name not in spec.get("optional", {}) for name, _ in added):
         raise ValueError(f"{node['type']} #{node['id']}: {len(values)} widget values for {len(widgets)} widgets "
                          f"({', '.join(name for name, _ in widgets)})")
-    return {name: value for (name, _), value in zip(widgets, values)}
+    return {name: value for (name, _), value in zip(widgets, values)} | {name: entry[1]["default"] for name, entry in added}
 
 
 class Links:
