@@ -26,6 +26,7 @@ MAX_STEPS_SHOWN = 64
 class StepSample:
     bytes_h2d: int
     seconds: float
+    gathered_bytes: int = 0  # of the groups left in place: gathered into the pinned staging buffers
 
     @property
     def gbps(self) -> float:
@@ -38,16 +39,17 @@ class RunTelemetry:
     node_id: str | None
     cpu_only: bool
     steps: list[StepSample] = field(default_factory=list)
-    # (perf_counter, ledger bytes_h2d) where the open step began: the run's start, then the previous step's end.
-    _step_start: tuple[float, int] = field(default_factory=lambda: (time.perf_counter(), 0))
+    # (perf_counter, ledger bytes_h2d, ledger gathered_bytes) where the open step began: the run's start, then
+    # the previous step's end.
+    _step_start: tuple[float, int, int] = field(default_factory=lambda: (time.perf_counter(), 0, 0))
     _last_sent: float | None = None
 
     def on_step(self) -> None:
         """A denoising step has ended: close it, and send the figures unless one was sent just now."""
-        now, sent = time.perf_counter(), self.handle.ledger.bytes_h2d
-        start, start_bytes = self._step_start
-        self.steps.append(StepSample(sent - start_bytes, now - start))
-        self._step_start = (now, sent)
+        now, sent, gathered = time.perf_counter(), self.handle.ledger.bytes_h2d, self.handle.ledger.gathered_bytes
+        start, start_sent, start_gathered = self._step_start
+        self.steps.append(StepSample(sent - start_sent, now - start, gathered - start_gathered))
+        self._step_start = (now, sent, gathered)
         if self._last_sent is None or now - self._last_sent >= 1.0 / MAX_MESSAGES_PER_SECOND:
             self._last_sent = now
             send(self.payload(final=False))
@@ -63,9 +65,11 @@ class RunTelemetry:
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
                       cpu_only: bool, final: bool) -> dict[str, Any]:
-    """The message the front end draws: the handle's figures plus the per-step streamed GB/s."""
+    """The message the front end draws: the handle's figures plus the per-step streamed GB/s; and, when groups
+    are left in place, where their host copies are and how fast they were gathered."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
+    gathered = sum(s.gathered_bytes for s in steps)
     return {
         "node_id": node_id,
         "final": final,
@@ -90,6 +94,13 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "bytes_per_step": streamed / len(steps) if steps else 0.0,
         "h2d_gbps": streamed / seconds / 1e9 if seconds > 0 else 0.0,
         "step_gbps": [round(s.gbps, 3) for s in steps[-MAX_STEPS_SHOWN:]],
+        "packed_bytes": stats["packed_bytes"],
+        "in_place_bytes": stats["in_place_bytes"],
+        "file_backed_bytes": stats["file_backed_bytes"],
+        "gathered_bytes": stats["gathered_bytes"],
+        "gathered_from_disk_bytes": stats["gathered_from_disk_bytes"],
+        "gathered_bytes_per_step": gathered / len(steps) if steps else 0.0,
+        "gather_gbps": stats["gathered_bytes"] / stats["gather_seconds"] / 1e9 if stats["gather_seconds"] > 0 else 0.0,
     }
 
 

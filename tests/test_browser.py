@@ -439,6 +439,7 @@ def _check_figures(ids: dict, state: dict, steps: int) -> None:
     assert state["rows"]["groups"][1] == "2 (0 resident, 2 streamed)"
     assert state["rows"]["back_offs"][1] == "none"
     assert re.fullmatch(r"\d+(\.\d+)? (KB|MB|GB) in \d+ copies", state["rows"]["bytes_h2d"][1])
+    assert ("in_place_bytes" in state["rows"]) == (telemetry["in_place_bytes"] > 0)  # the host budget's rows
     if telemetry["cpu_only"]:
         assert "offloading brings nothing" in state["reportText"]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import math
+import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,9 @@ import torch
 from live_server import ComfyServer, PromptRejected, txt2img_workflow
 from pack_modules import pack_module
 from run_nodes import run_txt2img
+from test_browser import (  # noqa: F401  (browser_page and chromium are fixtures)
+    ARTIFACTS, OFFLOAD_WIDGETS, STEPS, BrowserPage, _check_figures, _finish, _run_in_page, browser_page, chromium,
+    offload_workflow)
 from test_nodes import (OFFLOAD_DEFAULTS, load_offloaded, load_plain, models, offload,  # noqa: F401 (models: a fixture)
                         offload_handle)
 
@@ -229,3 +234,31 @@ def test_a_changed_source_fails_the_run_before_anything_is_read_and_the_model_ru
     monkeypatch.undo()  # the file restored
     assert torch.equal(run_txt2img(model, seed=24).latent, expected)
 
+
+
+# --- the readout and the report -------------------------------------------------------------------
+
+
+@pytest.mark.browser
+def test_the_report_shows_the_groups_left_in_place(browser_page: BrowserPage, comfy_server: ComfyServer):
+    """With nothing packed every group streams from where it lies: the figures of the host budget come with the
+    run's, and the report's rows of them appear (with every group packed, ``_check_figures`` finds none)."""
+    started = time.monotonic()
+    workflow = offload_workflow(comfy_server.models.unet_name, comfy_server.models.vae_name, STEPS)
+    workflow.nodes["offload"] = ("GroupOffload", [20, 170], {**OFFLOAD_WIDGETS, "host_memory": "budget", "host_gb": 0})
+    ids, prompt, state = _run_in_page(browser_page, workflow, "group_offload_in_place")
+    assert prompt[ids["offload"]]["inputs"]["host_memory"] == "budget"
+    _check_figures(ids, state, STEPS)
+    telemetry, rows = state["telemetry"], state["rows"]
+    assert telemetry["packed_bytes"] == 0 and telemetry["in_place_bytes"] == telemetry["host_bytes"] > 0
+    assert telemetry["gathered_bytes"] >= STEPS * telemetry["in_place_bytes"] and telemetry["gather_gbps"] > 0
+    size = r"\d+(\.\d+)? (B|KB|MB)"
+    assert rows["packed_bytes"] == ["Packed host copies", "0 B"]
+    assert rows["in_place_bytes"][0] == "Left in place"
+    assert re.fullmatch(rf"{size} \(0 B file-backed\)", rows["in_place_bytes"][1])  # ComfyUI's own tensors
+    assert rows["gathered_bytes_per_step"][0] == "Gathered per step"
+    assert re.fullmatch(size, rows["gathered_bytes_per_step"][1])
+    assert rows["gather_gbps"][0] == "Gather rate" and re.fullmatch(r"\d+(\.\d+)? (MB|GB)/s", rows["gather_gbps"][1])
+    assert rows["gathered_from_disk_bytes"][0] == "Gathered from disk"
+    assert re.fullmatch(rf"0 B of {size}", rows["gathered_from_disk_bytes"][1])
+    _finish(browser_page.page, browser_page.console, ARTIFACTS / "group_offload_in_place.png", started)

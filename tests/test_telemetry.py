@@ -24,7 +24,9 @@ from run_nodes import run_node, run_txt2img
 FRONT_END_FIELDS = {
     "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "prefetch", "back_offs", "resident_bytes",
     "streamed_bytes_per_pass", "pinned_bytes", "host_bytes", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
-    "compute_wait_ms", "hook_us_per_group", "steps", "bytes_per_step", "h2d_gbps", "step_gbps",
+    "compute_wait_ms", "hook_us_per_group", "steps", "bytes_per_step", "h2d_gbps", "step_gbps", "packed_bytes",
+    "in_place_bytes", "file_backed_bytes", "gathered_bytes", "gathered_from_disk_bytes", "gathered_bytes_per_step",
+    "gather_gbps",
 }
 
 
@@ -108,13 +110,16 @@ def _stats(**overrides) -> dict:
         "bytes_h2d": 6_000_000_000, "bytes_d2h": 0, "copies_h2d": 12, "copies_d2h": 0, "onloads": 12,
         "sync_onloads": 1, "prefetches": 10, "compute_wait_ms": 12.5, "hook_us_per_group": 40.0,
         "hook_seconds": 0.01, "hook_calls": 250, "slab_bytes": 2_000_000_000, "host_bytes": 5_000_000_000,
-        "pinned_bytes": 3_000_000_000, "prefetch": 1, "back_offs": 2,
+        "pinned_bytes": 3_000_000_000, "prefetch": 1, "back_offs": 2, "packed_bytes": 4_000_000_000,
+        "in_place_bytes": 1_000_000_000, "file_backed_bytes": 800_000_000, "gathers": 6,
+        "gathered_bytes": 2_000_000_000, "gathered_from_disk_bytes": 500_000_000, "gather_seconds": 0.25,
     }
     return {**stats, **overrides}
 
 
 def test_payload_has_the_fields_the_front_end_reads(telemetry):
-    steps = [telemetry.StepSample(3_000_000_000, 1.5), telemetry.StepSample(3_000_000_000, 0.5)]
+    steps = [telemetry.StepSample(3_000_000_000, 1.5, 1_500_000_000),
+             telemetry.StepSample(3_000_000_000, 0.5, 500_000_000)]
     payload = telemetry.telemetry_payload(_stats(), steps, "12", cpu_only=False, final=True)
 
     assert set(payload) == FRONT_END_FIELDS
@@ -132,11 +137,19 @@ def test_payload_has_the_fields_the_front_end_reads(telemetry):
     assert payload["bytes_per_step"] == 3_000_000_000
     assert payload["h2d_gbps"] == pytest.approx(6.0 / 2.0)  # 6 GB over the 2 s of both steps
     assert payload["step_gbps"] == [2.0, 6.0]
+    assert (payload["packed_bytes"], payload["in_place_bytes"], payload["file_backed_bytes"]) == (
+        4_000_000_000, 1_000_000_000, 800_000_000)
+    assert (payload["gathered_bytes"], payload["gathered_from_disk_bytes"]) == (2_000_000_000, 500_000_000)
+    assert payload["gathered_bytes_per_step"] == 1_000_000_000  # of the steps' own gathers
+    assert payload["gather_gbps"] == pytest.approx(2.0 / 0.25)  # over the gather time, not the steps'
 
 
 def test_payload_before_any_step_and_with_many_steps(telemetry):
     empty = telemetry.telemetry_payload(_stats(bytes_h2d=0), [], None, cpu_only=True, final=False)
     assert (empty["steps"], empty["bytes_per_step"], empty["h2d_gbps"], empty["step_gbps"]) == (0, 0.0, 0.0, [])
+    assert empty["gathered_bytes_per_step"] == 0.0
+    no_gathers = telemetry.telemetry_payload(_stats(gathered_bytes=0, gather_seconds=0.0), [], None, True, False)
+    assert no_gathers["gather_gbps"] == 0.0
     assert empty["node_id"] is None and empty["cpu_only"] is True and empty["final"] is False
 
     many = [telemetry.StepSample(1_000_000 * (i + 1), 0.001) for i in range(telemetry.MAX_STEPS_SHOWN + 10)]
@@ -210,6 +223,28 @@ def test_steps_are_the_model_calls_between_step_ends(telemetry, sent, clock, tin
     assert final["h2d_gbps"] == pytest.approx(sum(step_bytes) / (5 * tick) / 1e9)
     assert final["bytes_d2h"] == 0
     assert (final["groups"], final["streamed_groups"], final["resident_groups"]) == (3, 3, 0)
+
+
+def test_groups_left_in_place_count_their_gathers_per_step(telemetry, sent, comfy):
+    """With a host budget of 0 every group stays in place: each model call gathers one pass of them."""
+    model = TinyDiT()
+    handle = pack_module("offload_core").apply_group_offload(model, model.blocks, "cpu", prefetch=0, host_budget=0)
+    try:
+        per_pass = handle.stats()["in_place_bytes"]
+        assert per_pass == handle.stats()["host_bytes"] > 0 and handle.stats()["packed_bytes"] == 0
+        telemetry.start_run(model, handle, "6", cpu_only=True)
+        for passes in (2, 1):
+            for _ in range(passes):
+                _call(model)
+            telemetry.step_done(model)
+        telemetry.finish_run(model)
+    finally:
+        handle.remove()
+    final = telemetry.last_run(model)
+    assert (final["packed_bytes"], final["in_place_bytes"]) == (0, per_pass)
+    assert final["gathered_bytes"] == 3 * per_pass
+    assert final["gathered_bytes_per_step"] == pytest.approx(1.5 * per_pass)
+    assert final["gather_gbps"] > 0
 
 
 def test_a_new_run_starts_from_zero(telemetry, sent, clock, tiny_offloaded):

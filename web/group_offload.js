@@ -101,16 +101,29 @@ function rows(stats) {
     ["Resident", `${stats.resident_groups} of ${plural(stats.groups, "group")} · ${formatBytes(stats.resident_bytes)}`],
     ["Streamed", `${plural(stats.streamed_groups, "group")} · ${formatBytes(stats.streamed_bytes_per_pass)} a pass`],
     pinnedRow(stats),
+    ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["Per step", `${formatBytes(stats.bytes_per_step)} streamed`],
     ["Host → GPU", `${formatRate(stats.h2d_gbps)} · compute wait ${formatMs(stats.compute_wait_ms)}`],
     ["GPU → host", d2h === 0 ? "0 B · nothing copied back" : `${formatBytes(d2h)} copied back`, d2h === 0 ? COLORS.ok : COLORS.bad],
   ];
 }
 
-/** Pinned host memory of the mirrors; short of the streamed bytes, some copies come from pageable memory. */
+/** Pinned host memory of the mirrors; short of the streamed packed bytes, some copies come from pageable memory
+ *  (groups left in place are never pinned: they stream through the staging buffers). */
 function pinnedRow(stats) {
-  const short = !stats.cpu_only && stats.pinned_bytes < stats.streamed_bytes_per_pass;
+  const packedStreamed = stats.streamed_bytes_per_pass - (stats.in_place_bytes ?? 0);
+  const short = !stats.cpu_only && stats.pinned_bytes < packedStreamed;
   return ["Pinned", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)} host`, short ? COLORS.warn : undefined];
+}
+
+/** Groups beyond the host budget stay in place (in the model file's pages) and are gathered for each copy:
+ *  how much a step, how fast, and how much of it the page cache did not hold. */
+function inPlaceRows(stats) {
+  return [
+    ["Host copies", `${formatBytes(stats.packed_bytes)} packed · ${formatBytes(stats.in_place_bytes)} in place`],
+    ["Gathered", `${formatBytes(stats.gathered_bytes_per_step)} a step · ${formatRate(stats.gather_gbps)}`],
+    ["From disk", `${formatBytes(stats.gathered_from_disk_bytes)} of ${formatBytes(stats.gathered_bytes)}, rest cached`],
+  ];
 }
 
 function drawChart(ctx, x, y, width, height, values, colors) {

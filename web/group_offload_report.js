@@ -59,6 +59,7 @@ function reportRows(stats) {
     ["resident_bytes", "Resident on the GPU", formatBytes(stats.resident_bytes)],
     ["streamed_bytes_per_pass", "Streamed per pass", formatBytes(stats.streamed_bytes_per_pass)],
     ["pinned_bytes", "Pinned host memory", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)}`],
+    ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["bytes_per_step", "Streamed per step", formatBytes(stats.bytes_per_step)],
     ["bytes_h2d", "Host → GPU in all", `${formatBytes(stats.bytes_h2d)} in ${stats.copies_h2d} ${stats.copies_h2d === 1 ? "copy" : "copies"}`],
     ["bytes_d2h", "GPU → host (copy-back)", d2h === 0 ? "0 B" : formatBytes(d2h), d2h === 0 ? "group-offload-report--ok" : "group-offload-report--bad"],
@@ -68,6 +69,18 @@ function reportRows(stats) {
     ["back_offs", "Out-of-memory back-offs", stats.back_offs
       ? `${stats.back_offs} (ended at ${stats.resident_groups} resident, prefetch ${stats.prefetch})` : "none"],
     ["hook_us_per_group", "Hook time per group", formatUs(stats.hook_us_per_group)],
+  ];
+}
+
+/** The rows of the groups beyond the host budget, left in place and gathered for each copy (none without them). */
+function inPlaceRows(stats) {
+  const gathered = stats.gathered_bytes;
+  return [
+    ["packed_bytes", "Packed host copies", formatBytes(stats.packed_bytes)],
+    ["in_place_bytes", "Left in place", `${formatBytes(stats.in_place_bytes)} (${formatBytes(stats.file_backed_bytes)} file-backed)`],
+    ["gathered_bytes_per_step", "Gathered per step", formatBytes(stats.gathered_bytes_per_step)],
+    ["gather_gbps", "Gather rate", formatRate(stats.gather_gbps)],
+    ["gathered_from_disk_bytes", "Gathered from disk", `${formatBytes(stats.gathered_from_disk_bytes)} of ${formatBytes(gathered)}`],
   ];
 }
 
