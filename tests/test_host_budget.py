@@ -27,7 +27,7 @@ from fixture_models import ModelDir, tiny_qwen_image_file
 # Twelve 37.8 MB blocks, 4 MB besides: a budget of a quarter packs three of them or fewer.
 MODEL = {"num_layers": 12, "num_attention_heads": 4, "attention_head_dim": 128, "dtype": torch.float32}
 UNET_NAME = "host_budget_qwen_image.safetensors"
-GB = 1024**3  # the unit of host_gb, as of resident_gb
+GiB = 1024**3  # the unit of host_gb (``OffloadSettings.host_bytes``)
 # What else a load and a sampling run may add to RssAnon (ComfyUI's weights outside the blocks, the
 # latents, torch's first kernels), and the margin on the whole.
 SLACK_BYTES = 100 * 10**6
@@ -98,43 +98,26 @@ def allowed_growth(packed_bytes: int, stats: dict[str, Any]) -> float:
     return (packed_bytes + stats["staging_bytes"] + stats["slab_bytes"] + SLACK_BYTES) * MARGIN
 
 
-@pytest.mark.parametrize("via", VIAS)
-def test_with_the_defaults_every_group_is_packed_as_before(plain, measure, via):
-    run = measure(via)
-    stats = run["calls"][-1]
-    assert torch.equal(run["latent"], plain["latent"])
-    assert stats["bytes_d2h"] == 0 and stats["resident_groups"] == 0
-    assert anon_growth(run) <= allowed_growth(stats["host_bytes"], stats)
-
-
-@pytest.fixture(scope="module")
-def host_inputs(comfy) -> None:
-    """Skips until the nodes take ``host_memory`` and ``host_gb`` (issue 23)."""
-    inputs = comfy.NODE_CLASS_MAPPINGS["GroupOffload"].INPUT_TYPES()
-    if "host_memory" not in {**inputs["required"], **inputs.get("optional", {})}:
-        pytest.skip("the Group Offload nodes have no host_memory input yet (issue 23)")
-
-
 @pytest.mark.parametrize("share", [0.25, 0.0], ids=["quarter", "none"])
 @pytest.mark.parametrize("via", VIAS)
-def test_groups_past_the_host_budget_stream_from_where_they_lie(host_inputs, models, plain, measure, via, share):
+def test_groups_past_the_host_budget_stream_from_where_they_lie(models, plain, measure, via, share):
     budget = int(share * model_file_bytes(models))
-    run = measure(via, host_memory="budget", host_gb=budget / GB)
+    run = measure(via, host_memory="budget", host_gb=budget / GiB)
     stats = run["calls"][-1]
     assert torch.equal(run["latent"], plain["latent"])
     assert stats["packed_bytes"] <= budget < stats["host_bytes"]
     assert stats["packed_bytes"] + stats["in_place_bytes"] == stats["host_bytes"]
-    gathered = per_call(run, "gathered_bytes")
+    gathered = per_call(run, "gathered_bytes")  # the first call also gathers ahead for the second one
     assert gathered[1:] == [stats["in_place_bytes"]] * (len(gathered) - 1), "each step gathers the groups in place once"
-    if via == "loader":
-        assert stats["file_backed_bytes"] == stats["in_place_bytes"], "the loader leaves views of the file"
+    if via == "loader":  # views of the mapped file, but for the vectors (norms, biases) the loader reads at once
+        assert stats["in_place_bytes"] - stats["file_backed_bytes"] <= 0.01 * stats["in_place_bytes"]
     assert anon_growth(run) <= allowed_growth(budget, stats)
 
 
 @pytest.mark.parametrize("host", [{"host_memory": "budget", "host_gb": 1024.0}, {"host_memory": "auto"}],
                          ids=["large_budget", "auto"])
 @pytest.mark.parametrize("via", VIAS)
-def test_a_host_budget_the_model_fits_packs_every_group(host_inputs, plain, measure, via, host):
+def test_a_host_budget_the_model_fits_packs_every_group(plain, measure, via, host):
     run = measure(via, **host)
     stats = run["calls"][-1]
     assert torch.equal(run["latent"], plain["latent"])
