@@ -1,11 +1,12 @@
-"""Load a diffusion model with its blocks read from the safetensors file straight into host mirrors.
+"""Load a diffusion model with its blocks as views of the memory-mapped safetensors file.
 
 Which tensors are block tensors is found first, on the model ComfyUI detects from the file's shapes,
 built on the meta device: those inside the lists the block finder finds there (as the node finds
 them).  ComfyUI then builds the model (detection, dtypes, ops) from a state dict in which every
-block tensor is a zero-byte placeholder of the right shape and dtype; the real block weights are
-then read from the file, group by group, into the packed mirrors.  Host memory holds the weights
-about once: each group's first allocation is released as soon as its mirror is filled.
+large block tensor is a meta tensor of the right shape and dtype, and loads it with the blocks' own
+tensors on the meta device too, so that it allocates nothing for them.  The blocks then get views of
+the file's mapping (page cache, not anonymous memory): the groups within the host budget are
+packed from them into host mirrors, the others stream from the file.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import safetensors
 import torch
 from torch import nn
 
+import comfy.model_base
 import comfy.model_detection
 import comfy.model_management as mm
 import comfy.sd
@@ -30,7 +32,7 @@ import comfy.supported_models_base
 import comfy.utils
 
 from .blocks import block_list_paths
-from ..offload_core import flatten
+from ..offload_core import flatten, map_file
 from .handles import build_handle
 from .patcher import GroupOffloadPatcher, make_offloaded
 from .settings import OffloadSettings
@@ -118,26 +120,26 @@ class SafetensorsFile:
     def shape(self, key: str) -> torch.Size:
         return torch.Size(self.entries[key]["shape"])
 
-    def placeholder(self, key: str, device: torch.device | None = None) -> torch.Tensor:
-        """A zero-byte stand-in with the tensor's shape and dtype."""
-        return torch.empty((), dtype=self.dtype(key), device=device).expand(self.shape(key))
+    def placeholder(self, key: str) -> torch.Tensor:
+        """A meta tensor with the tensor's shape and dtype."""
+        return torch.empty(self.shape(key), dtype=self.dtype(key), device=_META)
 
-    def read_into(self, file, key: str, out: torch.Tensor) -> None:
-        """Read ``key`` into ``out``, converting its dtype the way ``Tensor.copy_`` does; raw bytes
-        (uint8 / int8) of the same width as an fp8 ``out`` are its bits, as ComfyUI ``view``s them."""
-        if self.shape(key) != out.shape:
-            raise ValueError(f"{key} has shape {list(self.shape(key))} in {self.path}, the model expects {list(out.shape)}")
+    def view(self, mapping: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+        """``key`` as ``like`` (its shape and dtype): a view of ``mapping`` (the whole file, mapped) where the
+        file holds it so; raw bytes (uint8 / int8) of the same width as an fp8 ``like`` are its bits, as
+        ComfyUI ``view``s them. Another dtype is converted (as ``Tensor.copy_`` does), into anonymous memory."""
+        if self.shape(key) != like.shape:
+            raise ValueError(f"{key} has shape {list(self.shape(key))} in {self.path}, the model expects {list(like.shape)}")
         dtype = self.dtype(key)
-        if dtype in _RAW_BYTES and out.dtype.is_floating_point and out.dtype.itemsize == 1:
-            out = out.view(dtype)
-        target = out if dtype == out.dtype else torch.empty(out.shape, dtype=dtype)
         start, end = self.entries[key]["data_offsets"]
-        buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-        file.seek(self.data_start + start)
-        if file.readinto(buffer) != end - start:
-            raise ValueError(f"{self.path} is truncated: could not read {key}")
-        if target is not out:
-            out.copy_(target)
+        offset = self.data_start + start
+        raw = mapping[offset : offset + end - start]
+        if offset % dtype.itemsize:  # (safetensors aligns tensors; a file may not)
+            raw = raw.clone()
+        stored = raw.view(dtype).view(like.shape)
+        if dtype in _RAW_BYTES and like.dtype.is_floating_point and like.dtype.itemsize == 1:
+            return stored.view(like.dtype)
+        return stored if dtype == like.dtype else stored.to(like.dtype)
 
 
 class AsLoaded(NamedTuple):
@@ -257,28 +259,28 @@ def _inner_tensor_keys(path: str, diffusion_model: nn.Module) -> dict[str, list[
 
 
 def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) -> GroupOffloadPatcher:
-    """ComfyUI's ``load_diffusion_model``, with the blocks going straight into pinned host mirrors.
+    """ComfyUI's ``load_diffusion_model``, with the blocks' weights left in the mapped file.
 
     The block keys are those inside the block lists of the model ComfyUI detects from the file, found on
     the meta device first. Quantized layers (``comfy_quant`` files, and old scaled-fp8 ones that newest
-    ComfyUI converts) are read the same way: each inner tensor of a quantized weight (data, scales)
+    ComfyUI converts) are mapped the same way: each inner tensor of a quantized weight (data, scales)
     from its own key.
     """
     st = SafetensorsFile(path)
     with safetensors.safe_open(path, framework="pt") as f:
-        state_dict = {key: st.placeholder(key, _META) if _read_later(st, key) else f.get_tensor(key)
-                      for key in st.entries}
+        state_dict = {key: st.placeholder(key) if _read_later(st, key) else f.get_tensor(key) for key in st.entries}
         loaded = as_comfyui_loads(state_dict, st.metadata, model_options)
         blocks, file_keys = block_keys(loaded, Path(path).name)
         later = {file_keys[key] for key in blocks}
         for key, tensor in state_dict.items():  # the meta tensors outside the blocks are read now
-            if tensor.is_meta:
-                state_dict[key] = st.placeholder(key) if key in later else f.get_tensor(key)
+            if tensor.is_meta and key not in later:
+                state_dict[key] = f.get_tensor(key)
     extra = {"disable_dynamic": True} if _ACCEPTS_DISABLE_DYNAMIC else {}
     # Newest ComfyUI takes the offload device from the options: under --gpu-only / --highvram its
     # default is the GPU, where it would move the whole model (0.3.75 always uses its default).
     model_options = {**model_options, "offload_device": torch.device("cpu")}
-    with _offload_device_on_the_cpu():
+    on_meta = {key for key in blocks if file_keys.get(key) is not None and _read_later(st, file_keys[key])}
+    with _offload_device_on_the_cpu(), _blocks_loaded_on_meta(on_meta):
         patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options,
                                                            metadata=st.metadata, **extra)
     if patcher is None:
@@ -287,21 +289,67 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     diffusion_model = patcher.model.diffusion_model
     inner_keys = _inner_tensor_keys(path, diffusion_model)
     _check_block_keys(path, diffusion_model, blocks)
+    _map_blocks(diffusion_model, st, file_keys, inner_keys)
     offloaded = make_offloaded(patcher, settings)
-
-    with open(path, "rb") as file:
-        def fill(name: str, tensor: torch.Tensor) -> None:
-            key = name.removeprefix("diffusion_model.")
-            parts = zip(inner_keys[key], flatten(tensor)[1]) if key in inner_keys else [(key, tensor)]
-            for part_key, part in parts:
-                if file_keys.get(part_key) is None:
-                    raise ValueError(f"{Path(path).name} has no tensor for block weight {part_key}; {_INSTEAD}")
-                st.read_into(file, file_keys[part_key], part)
-
-        build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings, fill=fill)
+    build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
         offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded
+
+
+@contextlib.contextmanager
+def _blocks_loaded_on_meta(keys: set[str]) -> Iterator[None]:
+    """While ComfyUI loads the model it built: the block tensors the state dict has as meta tensors are
+    meta tensors in the model too, so that loading them allocates and copies nothing (a layer that makes
+    its weight of the state dict's tensor, a quantized or lazily loaded one, makes it of the meta tensor)."""
+    load_model_weights = comfy.model_base.BaseModel.load_model_weights
+
+    def loading_blocks_on_meta(model: comfy.model_base.BaseModel, *args, **kwargs):
+        for key in keys:
+            module_path, _, name = key.rpartition(".")
+            module = model.diffusion_model.get_submodule(module_path)
+            for table in (module._parameters, module._buffers):
+                tensor = table.get(name)
+                if isinstance(tensor, torch.Tensor) and type(tensor.data) is torch.Tensor and not tensor.is_meta:
+                    meta = torch.empty_like(tensor, device=_META)
+                    table[name] = nn.Parameter(meta, tensor.requires_grad) if table is module._parameters else meta
+        with warnings.catch_warnings():  # the meta placeholders "copied" into meta parameters: no-ops
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+            return load_model_weights(model, *args, **kwargs)
+
+    comfy.model_base.BaseModel.load_model_weights = loading_blocks_on_meta
+    try:
+        yield
+    finally:
+        comfy.model_base.BaseModel.load_model_weights = load_model_weights
+
+
+def _map_blocks(diffusion_model: nn.Module, st: SafetensorsFile, file_keys: dict[str, str | None],
+                inner_keys: dict[str, list[str]]) -> None:
+    """Every block tensor left on the meta device becomes a view of the mapped file (a quantized weight,
+    rebuilt over views of its inner tensors' keys)."""
+    mapping = map_file(st.path)
+    for blocks in block_list_paths(diffusion_model):
+        for name, module in diffusion_model.get_submodule(blocks).named_modules(prefix=blocks):
+            for table in (module._parameters, module._buffers):
+                for attr, tensor in table.items():
+                    flat, inner = (None, []) if tensor is None else flatten(tensor)
+                    if not any(t.is_meta for t in inner):
+                        continue  # read at once, being small, or made by ComfyUI
+                    key = f"{name}.{attr}"
+                    parts = [st.view(mapping, _file_key(st, file_keys, part), like)
+                             for part, like in zip(inner_keys.get(key, [key]), inner)]
+                    mapped = parts[0] if flat is None else flat.rebuild(parts)
+                    if table is module._parameters:
+                        mapped = nn.Parameter(mapped, requires_grad=False)
+                        mapped.__dict__.update(tensor.__dict__)  # what ComfyUI marked its weight with
+                    table[attr] = mapped
+
+
+def _file_key(st: SafetensorsFile, file_keys: dict[str, str | None], key: str) -> str:
+    if file_keys.get(key) is None:
+        raise ValueError(f"{Path(st.path).name} has no tensor for block weight {key}; {_INSTEAD}")
+    return file_keys[key]
 
 
 @contextlib.contextmanager

@@ -515,6 +515,7 @@ class GroupOffloadHandle:
                 ring = self._staging
                 job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch_targets(group))
                 group.pending = self._runtime.submit(job)
+                self._read_ahead_after(group)
                 self.ledger.staged_copies += 1
                 self.ledger.record_copy(group.nbytes)
             else:
@@ -537,6 +538,12 @@ class GroupOffloadHandle:
         group.offload_()
         if not group.resident:
             self._slabs.put_back(slab)
+
+    def _read_ahead_after(self, group: ModuleGroup) -> None:
+        """While ``group`` is gathered, the disk reads the groups kept in place that stream after it."""
+        for upcoming in (self._lookahead or {}).get(group.index, ()):
+            if not upcoming.mirror.packed and not upcoming.onloaded:
+                upcoming.mirror.read_ahead()
 
     def _staged(self, group: ModuleGroup) -> bool:
         """Whether ``group`` reaches the device through the staging ring: kept in place, or streamed from a

@@ -165,6 +165,18 @@ class _SourceFile:
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
 
 
+#: ``madvise`` advice: read these pages ahead, asynchronously.
+_MADV_WILLNEED = 3
+
+
+def advise_will_need(tensor: torch.Tensor) -> None:
+    """Ask the kernel to start reading ``tensor``'s pages into the page cache now (a no-op where it cannot)."""
+    if _libc is None or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr() // _PAGE * _PAGE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start), _MADV_WILLNEED)
+
+
 def uncached_bytes(tensor: torch.Tensor) -> int | None:
     """How many bytes of ``tensor``'s pages the page cache does not hold (the next read goes to the disk);
     None where that cannot be asked (not Linux)."""

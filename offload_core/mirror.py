@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .hostmem import FileMappings, SourceFiles, uncached_bytes
+from .hostmem import FileMappings, SourceFiles, advise_will_need, uncached_bytes
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,12 @@ class InPlaceMirror:
 
     def unpin(self) -> None:
         pass
+
+    def read_ahead(self) -> None:
+        """Have the kernel start reading the mapped tensors from the disk, ahead of the gather."""
+        for view, mapped in zip(self.views, self._file_backed):
+            if mapped:
+                advise_will_need(view)
 
     def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
         """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the

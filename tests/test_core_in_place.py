@@ -208,3 +208,26 @@ def test_bad_host_budgets_are_refused(tmp_path):
         apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=-1)
     with pytest.raises(ValueError, match="fill writes every tensor"):
         apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0, fill=lambda name, view: None)
+
+
+def test_reading_ahead_brings_a_groups_pages_into_the_page_cache(tmp_path):
+    """What the engine asks for the groups after the one being gathered: the kernel reads them in the
+    background (polled, since the read is asynchronous)."""
+    import time
+
+    _, offloaded, _ = make_pair("cpu")
+    mapping = map_blocks(offloaded, tmp_path / "blocks.bin")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
+    with open(tmp_path / "blocks.bin", "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    mirror = handle.groups[0].mirror
+    if not all(uncached_bytes(view) for view in mirror.views):
+        pytest.skip("the kernel kept the file's pages cached (fadvise DONTNEED dropped nothing)")
+    mirror.read_ahead()
+    deadline = time.monotonic() + 10
+    while any(uncached_bytes(view) for view in mirror.views) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(uncached_bytes(view) for view in mirror.views)
+    assert uncached_bytes(handle.groups[-1].mirror.views[2]), "the other groups' pages were left alone"
+    handle.remove()
