@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import math
 import re
+import shutil
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import fixture_models
 from live_server import ComfyServer, PromptRejected, txt2img_workflow
 from pack_modules import pack_module
 from run_nodes import run_txt2img
@@ -234,6 +236,37 @@ def test_a_changed_source_fails_the_run_before_anything_is_read_and_the_model_ru
     monkeypatch.undo()  # the file restored
     assert torch.equal(run_txt2img(model, seed=24).latent, expected)
 
+
+
+def test_a_model_file_changed_on_disk_is_a_node_error_and_the_server_runs_on(comfy_server: ComfyServer):
+    """Through the loader with nothing packed, every group streams from the file's pages (float32, the dtype
+    ComfyUI computes in on the CPU, so that the blocks are the file's bytes): a truncated file fails the next
+    run with the core's message, before a page past its end is read (that would kill the server), and once the
+    file is whole again the same model runs again."""
+    name = "host_budget_changing.safetensors"
+    path = comfy_server.models.models_dir / "diffusion_models" / name
+    shutil.copyfile(fixture_models.tiny_qwen_image_file(dtype=torch.float32), path)
+    original = path.read_bytes()
+
+    def run(seed: int, check: bool = True) -> dict:
+        prompt = txt2img_workflow(name, seed=seed)
+        prompt["1"] = {"class_type": "GroupOffloadLoader", "inputs": {
+            "unet_name": name, "weight_dtype": "default", **OFFLOAD_DEFAULTS, "host_memory": "budget", "host_gb": 0.0}}
+        prompt["20"] = {"class_type": "GroupOffloadReport", "inputs": {"model": ["1", 0], "samples": ["6", 0]}}
+        return comfy_server.wait(comfy_server.queue(prompt), check=check)
+
+    (stats,) = run(94)["outputs"]["20"]["group_offload"]
+    # (but for the vectors the loader reads at once: on this tiny model, a few %)
+    assert stats["packed_bytes"] == 0 and stats["file_backed_bytes"] >= 0.9 * stats["in_place_bytes"] > 0
+    with open(path, "r+b") as file:
+        file.truncate(len(original) // 2)
+    entry = run(95, check=False)
+    error = next(m[1] for m in entry["status"]["messages"] if m[0] == "execution_error")
+    assert error["node_type"] == "KSampler" and error["exception_type"].endswith("SourceChangedError")
+    assert error["exception_message"].startswith(f"{name} is now {len(original) // 2} bytes on disk")
+    with open(path, "r+b") as file:
+        file.write(original)
+    assert comfy_server.output_images(run(96))
 
 
 # --- the readout and the report -------------------------------------------------------------------
