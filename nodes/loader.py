@@ -342,7 +342,8 @@ def _map_blocks(diffusion_model: nn.Module, st: SafetensorsFile, file_keys: dict
                     mapped = parts[0] if flat is None else flat.rebuild(parts)
                     if table is module._parameters:
                         mapped = nn.Parameter(mapped, requires_grad=False)
-                        mapped.__dict__.update(tensor.__dict__)  # what ComfyUI marked its weight with
+                        for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
+                            mapped.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
                     table[attr] = mapped
 
 

@@ -135,12 +135,13 @@ def anonymous_host_bytes(blocks: list[nn.Module]) -> int:
 
 def auto_host_bytes(freed_by_packing: int) -> int:
     """What ``host_memory = auto`` may pack now: the RAM available less ``host_headroom``, plus what packing
-    frees (``anonymous_host_bytes``), and no more than ComfyUI's pinned-memory limit still allows where it
-    pins (the streamed copies are pinned); never below 0."""
+    frees (``anonymous_host_bytes``), and no more than ComfyUI's pinned-memory limit where it pins (a packed
+    copy past it could never be pinned). What other models hold pinned does not count: the model that runs
+    takes their pins (``handles._make_pin_room``). Never below 0."""
     memory = psutil.virtual_memory()
     room = memory.available - host_headroom(memory.total) + freed_by_packing
     if pinning_enabled():
-        room = min(room, mm.MAX_PINNED_MEMORY - mm.TOTAL_PINNED_MEMORY)
+        room = min(room, mm.MAX_PINNED_MEMORY)
     return max(0, int(room))
 
 

@@ -106,7 +106,8 @@ def test_a_refused_pin_does_not_stop_the_others_and_is_reported(models, monkeypa
     group_bytes = offload_handle(probe).groups[0].nbytes
     limit = int(2.5 * group_bytes)  # 0.3.75 refuses past its limit; newest lets the driver refuse
     fake = install(monkeypatch.setattr, comfy_pin_limit=limit, driver_limit=limit)
-    model = offload(load_plain(), residency="stream_all")
+    # Every group packed (auto would pack only what the limit can pin and leave the rest in place, unpinned).
+    model = offload(load_plain(), residency="stream_all", host_memory="budget", host_gb=1024.0)
     with caplog.at_level(logging.WARNING):
         assert torch.equal(run_txt2img(model, seed=14).latent, expected)
     handle = offload_handle(model)
