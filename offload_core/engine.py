@@ -282,7 +282,11 @@ class GroupOffloadHandle:
                 freed += group.nbytes
         if self._staging is not None and (at_least is None or freed < at_least):
             freed += self._staging.pinned_bytes
-            self._drop_staging()
+            if all(g.mirror.packed for g in self.groups):
+                self._drop_staging()
+            else:  # the groups kept in place stream through it still, from pageable memory
+                self._queue_staged_copies()
+                self._staging.unpin()
         return freed
 
     def device_bytes_needed(self) -> int:

@@ -69,7 +69,11 @@ class CudaRuntime:
         """Run ``job`` on the gather worker: one thread, so jobs run in the order they were submitted."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-offload-gather")
-        return self._worker.submit(job)
+        return self._worker.submit(self._on_device, job)
+
+    def _on_device(self, job: Callable[[], Any]) -> Any:
+        with torch.cuda.device(self.device):  # a thread's current device is its own
+            return job()
 
     def wait(self, future: Future) -> Any:
         """The host waits for a job of the worker; its result (or its error, raised)."""

@@ -231,3 +231,35 @@ def test_reading_ahead_brings_a_groups_pages_into_the_page_cache(tmp_path):
     assert not any(uncached_bytes(view) for view in mirror.views)
     assert uncached_bytes(handle.groups[-1].mirror.views[2]), "the other groups' pages were left alone"
     handle.remove()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_onload_patches_of_groups_kept_in_place_are_ordered_and_leave_the_file_pristine(tmp_path, checker, prefetch):
+    """A LoRA on a group kept in place is computed on the device by the worker's job, after the copy out of
+    the staging buffer; the mapped file is never written."""
+    reference, offloaded, x = mapped_pair(tmp_path)
+    original = (tmp_path / "blocks.bin").read_bytes()
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2, prefetch=prefetch,
+                                 runtime=checker, host_budget=0)
+    handle.set_onload_patch(lambda name, w: w * 2, ["blocks.2.attn.weight", "blocks.5.mlp.0.bias"])
+    reference.blocks[2].attn.weight.data.mul_(2)
+    reference.blocks[5].mlp[0].bias.data.mul_(2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(offloaded(x), reference(x))
+    handle.remove()
+    assert (tmp_path / "blocks.bin").read_bytes() == original
+
+
+def test_groups_kept_in_place_still_stream_once_the_rings_pins_are_given_up(tmp_path, checker):
+    """Another model taking the pins (``unpin``) leaves the ring in pageable memory, not the groups without one."""
+    reference, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, host_budget=0)
+    staging = handle.stats()["staging_bytes"]
+    assert handle.unpin() == staging > 0
+    assert handle.stats()["pinned_bytes"] == 0 and checker.cudart.registered == {}
+    with torch.inference_mode():
+        handle.reset_stats()
+        assert torch.equal(offloaded(x), reference(x))
+    assert handle.stats()["staged_copies"] >= len(handle.groups) and handle.stats()["pinned_bytes"] == 0
+    handle.remove()
