@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -31,7 +32,8 @@ from run_nodes import run_node
 from cuda_nodes_driver import LORA_STRENGTH, STEPS, offload_lifecycle, sample
 from fake_cudart import give_device_memory
 from quantized_files import cpu_skip_reason, quantized_qwen_file
-from test_nodes import load_offloaded, load_plain, models, offload, raw_block_bytes, with_lora  # noqa: F401  (models: fixture)
+from test_nodes import (load_offloaded, load_plain, models, offload, offload_handle, raw_block_bytes,  # noqa: F401
+                        with_lora)  # (models: a fixture)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 COMFY_QUANT_FP8 = "float8_e4m3fn"  # a comfy_quant file as newest ComfyUI saves fp8
@@ -263,3 +265,35 @@ def test_auto_on_a_capped_card_samples_the_plain_latent_within_the_free_memory(q
         assert facts["streamed_groups"] >= 1, "the cap leaves no room for every group"
         assert facts["device_bytes"] + other <= room, "auto plans within the free memory"
         assert facts["copies_h2d"] >= facts["forwards"] * facts["streamed_groups"]
+
+
+# --- the host budget: groups kept in place ------------------------------------------------------
+
+IN_PLACE_VARIANTS = [  # (the offloaded model at a host budget of one group of four, what its in-place groups are)
+    pytest.param(lambda gb: load_offloaded(host_memory="budget", host_gb=gb), True, id="loader"),
+    pytest.param(lambda gb: offload(load_plain(), host_memory="budget", host_gb=gb), False, id="node"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("make, file_backed", IN_PLACE_VARIANTS)
+def test_groups_kept_in_place_sample_the_plain_latent(reference, device, make, file_backed):
+    """Three of four groups past the host budget: gathered at every forward (on CUDA by the worker into
+    the staging ring, then copied at the pinned rate), never pinned themselves, the same latent."""
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    gc.collect()  # the models of other tests go, with what they held of the shared host budget
+    model = make(1.2 * raw_block_bytes(load_plain()) / 4 / 2**30)
+    for _ in range(2):
+        assert torch.equal(sample(model), reference("bf16"))
+    handle = offload_handle(model)
+    stats = handle.stats()
+    in_place = [g for g in handle.groups if not g.mirror.packed]
+    assert len(in_place) == 3 and not any(g.mirror.pinned for g in in_place)
+    if device.type == "cuda":  # (the bf16 file as it is; on the CPU ComfyUI converts it to float32)
+        assert (stats["file_backed_bytes"] >= 0.99 * stats["in_place_bytes"]) == file_backed
+    assert stats["gathers"] >= STEPS * len(in_place) and stats["bytes_d2h"] == 0, "every forward of the last run"
+    if device.type == "cuda":
+        assert stats["staging_bytes"] == 2 * max(g.nbytes for g in handle.groups), "a pinned ring of two buffers"
+        assert stats["staged_copies"] >= stats["gathers"]
