@@ -17,6 +17,7 @@ from offload_core.hostmem import uncached_bytes
 from offload_core.residency import plan_packing
 from stream_checker import HOST, RaceError, StreamChecker
 from test_core_engine import make_pair
+from test_core_streams import check_doubling_patch
 
 ALIGN = 64
 
@@ -241,12 +242,7 @@ def test_onload_patches_of_groups_kept_in_place_are_ordered_and_leave_the_file_p
     original = (tmp_path / "blocks.bin").read_bytes()
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=2, prefetch=prefetch,
                                  runtime=checker, host_budget=0)
-    handle.set_onload_patch(lambda name, w: w * 2, ["blocks.2.attn.weight", "blocks.5.mlp.0.bias"])
-    reference.blocks[2].attn.weight.data.mul_(2)
-    reference.blocks[5].mlp[0].bias.data.mul_(2)
-    with torch.no_grad():
-        for _ in range(3):
-            assert torch.equal(offloaded(x), reference(x))
+    check_doubling_patch(handle, reference, offloaded, x)
     handle.remove()
     assert (tmp_path / "blocks.bin").read_bytes() == original
 

@@ -67,15 +67,19 @@ def test_remove_mid_run_unpins_after_the_copies(checker):
         assert torch.equal(offloaded(x), reference(x))
 
 
-def test_onload_patches_are_ordered(checker):
-    reference, offloaded, x = make_pair("cpu")
-    handle = offload(offloaded, checker, blocks_per_group=2, prefetch=1)
+def check_doubling_patch(handle, reference: nn.Module, offloaded: nn.Module, x: torch.Tensor) -> None:
+    """An onload patch that doubles two tensors of ``offloaded`` computes as ``reference`` with them doubled."""
     handle.set_onload_patch(lambda name, w: w * 2, ["blocks.2.attn.weight", "blocks.5.mlp.0.bias"])
     reference.blocks[2].attn.weight.data.mul_(2)
     reference.blocks[5].mlp[0].bias.data.mul_(2)
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(offloaded(x), reference(x))
+
+
+def test_onload_patches_are_ordered(checker):
+    reference, offloaded, x = make_pair("cpu")
+    check_doubling_patch(offload(offloaded, checker, blocks_per_group=2, prefetch=1), reference, offloaded, x)
 
 
 def test_grad_modes_on_the_stream_path(checker):
