@@ -17,8 +17,7 @@ from torch import nn
 
 import comfy.model_management as mm
 
-from ..offload_core import device_footprint, flatten, packed_nbytes, plan_residency, split_into_groups
-from ..offload_core.hostmem import FileMappings
+from ..offload_core import FileMappings, device_footprint, flatten, packed_nbytes, plan_residency, split_into_groups
 from .settings import GB, OffloadSettings
 
 # ComfyUI's sampler runs cond and uncond as one call only while 1.5 × that call's estimated memory is

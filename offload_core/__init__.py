@@ -2,13 +2,14 @@
 from .backoff import OutOfMemoryAfterBackOff, call_backing_off
 from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
 from .group import check_offloadable, split_into_groups
-from .hostmem import SourceChangedError, map_file
+from .hostmem import FileMappings, SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
 from .subclass import UnpackableTensorError, flatten, packed_nbytes
 
 __all__ = [
     "CudaHostRegister",
+    "FileMappings",
     "GroupOffloadHandle",
     "OffloadConfig",
     "OutOfMemoryAfterBackOff",
