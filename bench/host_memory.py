@@ -28,6 +28,12 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def rss_anon_bytes() -> int:
+    """The anonymous resident memory now (``RssAnon``): what the process holds that no file backs; page cache
+    and memory-mapped files are not counted."""
+    return _status_kib("RssAnon") * 1024
+
+
 def peak_rss_bytes() -> int:
     """The peak resident set since the process started or since :func:`reset_peak`."""
     return _status_kib("VmHWM") * 1024

@@ -8,18 +8,27 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 - ``via``: ``plain`` (Load Diffusion Model), ``node`` (Load Diffusion Model, then Group Offload) or
   ``loader`` (Load Diffusion Model (Group Offload));
 - ``offload``: the offload node's inputs beside ``test_nodes.OFFLOAD_DEFAULTS`` (``host_memory``, ``host_gb``);
-- ``latent``: where to save the sampled latent (``torch.save``).
+- ``latent``: where to save the sampled latent (``torch.save``);
+- ``steps`` (optional, 3 by default): the sampling steps;
+- ``evict`` (optional): ``drop_caches`` or ``fadvise``, to make the page cache cold for the model file
+  right before sampling (:func:`evict_page_cache`).
 
 It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
 file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
-ComfyUI's own load is done, ``loaded``, ``sampled``) with its peak since the mark before, the handle's
-``stats()`` after each diffusion-model call.
+ComfyUI's own load is done, ``loaded``, ``sampled``) with its peak since the mark before and its time; for each
+diffusion-model call (one a step) the handle's ``stats()`` after it (``calls``), its wall time
+(``call_seconds``) and the bytes the process read from storage meanwhile (``call_read_bytes``, from
+``/proc/self/io``: every thread, the kernel's read-ahead included); how much of the model file the page
+cache held as sampling started (``page_cache``); the ComfyUI and torch versions.
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +37,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 
-from comfy_boot import boot_comfyui_in_process  # noqa: E402
+from comfy_boot import boot_comfyui_in_process, comfyui_path, comfyui_version  # noqa: E402
 from fixture_models import ModelDir, use_models_in_process, widen_qwen_detection  # noqa: E402
-from host_memory import _status_kib  # noqa: E402
+from host_memory import rss_anon_bytes  # noqa: E402
+from pack_modules import pack_module  # noqa: E402
 from run_nodes import run_node, run_txt2img  # noqa: E402
 from test_nodes import OFFLOAD_DEFAULTS, offload_handle  # noqa: E402
 
 SEED = 5
 STEPS = 3
 SAMPLE_EVERY_S = 0.02
-
-
-def rss_anon() -> int:
-    """This process's anonymous resident memory now, in bytes (``RssAnon`` of /proc/self/status)."""
-    return _status_kib("RssAnon") * 1024
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+RESULTS_PREFIX = "RESULTS "
 
 
 class AnonMarks:
     """RssAnon at named marks, with its peak since the mark before, read every 20 ms by a thread: the kernel
-    keeps no peak of it (``VmHWM`` counts file-backed pages too)."""
+    keeps no peak of it (``VmHWM`` counts file-backed pages too); and when each mark was (``at_s``, seconds
+    since the marks began)."""
 
     def __init__(self) -> None:
-        self.marks: dict[str, dict[str, int]] = {}
+        self.marks: dict[str, dict[str, float]] = {}
+        self._started = time.perf_counter()
         self._lock = threading.Lock()
-        self._peak = rss_anon()
+        self._peak = rss_anon_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -66,13 +75,13 @@ class AnonMarks:
     def _watch(self) -> None:
         while not self._stop.wait(SAMPLE_EVERY_S):
             with self._lock:
-                self._peak = max(self._peak, rss_anon())
+                self._peak = max(self._peak, rss_anon_bytes())
 
     def mark(self, name: str) -> None:
         """Note RssAnon now and its peak since the last mark; the next peak starts from now."""
         with self._lock:
-            now = rss_anon()
-            self.marks[name] = {"now": now, "peak": max(self._peak, now)}
+            now = rss_anon_bytes()
+            self.marks[name] = {"now": now, "peak": max(self._peak, now), "at_s": time.perf_counter() - self._started}
             self._peak = now
 
 
@@ -88,32 +97,101 @@ def load(spec: dict[str, Any], anon: AnonMarks):
     return run_node("GroupOffload", model=plain, **offload).outputs[0]
 
 
-def stats_after_each_call(model, offloaded: bool) -> list[dict[str, Any]]:
-    """The handle's ``stats()`` after each diffusion-model call (one call a step when cond and uncond run as one
-    batch), filled as the model runs; ``{}`` for each call of a model without offloading."""
-    after: list[dict[str, Any]] = []
-    model.model.diffusion_model.register_forward_hook(
-        lambda module, args, output: after.append(offload_handle(model).stats() if offloaded else {}))
-    return after
+def io_read_bytes() -> int:
+    """What this process (all its threads) has had read from storage so far (``read_bytes`` of /proc/self/io)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"])
+
+
+class ModelCalls:
+    """Each diffusion-model call (one a step when cond and uncond run as one batch), filled as the model runs:
+    its wall time, the bytes read from storage during it, and the handle's ``stats()`` after it (``{}`` for a
+    model without offloading)."""
+
+    def __init__(self, model, offloaded: bool) -> None:
+        self.stats: list[dict[str, Any]] = []
+        self.seconds: list[float] = []
+        self.read_bytes: list[int] = []
+        self._model, self._offloaded = model, offloaded
+        self._entered = (0.0, 0)
+        model.model.diffusion_model.register_forward_pre_hook(self._enter)
+        model.model.diffusion_model.register_forward_hook(self._exit)
+
+    def _enter(self, *_: Any) -> None:
+        self._entered = (time.perf_counter(), io_read_bytes())
+
+    def _exit(self, *_: Any) -> None:
+        started, read_before = self._entered
+        self.seconds.append(time.perf_counter() - started)
+        self.read_bytes.append(io_read_bytes() - read_before)
+        self.stats.append(offload_handle(self._model).stats() if self._offloaded else {})
+
+
+def evict_page_cache(path: Path, method: str) -> None:
+    """Make the page cache cold for the file at ``path``: ``drop_caches`` drops the clean pages of the whole
+    machine's page cache (``sync; echo 1 > /proc/sys/vm/drop_caches``), ``fadvise`` those of this file only
+    (fsync, then ``POSIX_FADV_DONTNEED``). Neither drops a page some process has mapped: on the loader's path
+    those of the groups packed at load and of the vectors it read."""
+    if method == "drop_caches":
+        os.sync()
+        DROP_CACHES.write_text("1")
+    elif method == "fadvise":
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+    else:
+        raise ValueError(f"evict must be drop_caches or fadvise, not {method!r}")
+
+
+def page_cache(path: Path) -> dict[str, int]:
+    """The file's size and how many of its bytes the page cache holds (mincore)."""
+    hostmem = pack_module("offload_core.hostmem")
+    whole = hostmem.map_file(path)  # mapped, never read: mincore asks the page cache, not this mapping
+    return {"file_bytes": whole.numel(), "cached_bytes": whole.numel() - hostmem.uncached_bytes(whole)}
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     boot_comfyui_in_process()
     widen_qwen_detection()
-    use_models_in_process(ModelDir(Path(spec["models"])))
+    models = ModelDir(Path(spec["models"]))
+    use_models_in_process(models)
+    model_file = models.models_dir / "diffusion_models" / spec["unet_name"]
     with AnonMarks() as anon:
         anon.mark("before")
         model = load(spec, anon)
         anon.mark("loaded")
-        calls = stats_after_each_call(model, offloaded=spec["via"] != "plain")
-        latent = run_txt2img(model, seed=SEED, steps=STEPS).latent
+        calls = ModelCalls(model, offloaded=spec["via"] != "plain")
+        if "evict" in spec:
+            evict_page_cache(model_file, spec["evict"])
+        cached = page_cache(model_file)
+        latent = run_txt2img(model, seed=SEED, steps=spec.get("steps", STEPS)).latent
         anon.mark("sampled")
     torch.save(latent, spec["latent"])
     return {
         "rss_anon": anon.marks,
-        "calls": calls,
+        "calls": calls.stats,
+        "call_seconds": calls.seconds,
+        "call_read_bytes": calls.read_bytes,
+        "page_cache": cached,
+        "versions": {"comfyui": comfyui_version(), "torch": torch.__version__},
     }
 
 
+def run_in_fresh_process(spec: dict[str, Any], python: str | Path = sys.executable, comfyui: Path | None = None,
+                         timeout: float = 300) -> dict[str, Any]:
+    """This driver's results for ``spec``, run by ``python`` with the ComfyUI checkout ``comfyui`` (by default
+    the one in use here); ``RuntimeError`` with the end of its log when it fails."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui or comfyui_path()))
+    done = subprocess.run([str(python), __file__, json.dumps(spec)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULTS_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"host_budget_driver failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix(RESULTS_PREFIX))
+
+
 if __name__ == "__main__":
-    print("RESULTS " + json.dumps(measure(json.loads(sys.argv[1]))))
+    print(RESULTS_PREFIX + json.dumps(measure(json.loads(sys.argv[1]))))
