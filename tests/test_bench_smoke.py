@@ -38,6 +38,7 @@ def test_every_row_ran(smoke):
     assert {(r["dtype"], r["mode"]) for r in pack} == {
         ("bf16", "auto"), ("bf16", "stream_all p1"), ("bf16", "stream_all p2"), ("bf16", "stream_all p1, pins refused"),
         ("bf16", "stream_all p1, pins capped at 50% (staging ring)"),
+        ("bf16", "stream_all p1, host budget 25% (in place: ComfyUI's tensors)"),
         ("fp8", "auto"), ("fp8", "stream_all p1"), ("bf16, 1 blocks", "stream_all p1"),
         ("bf16, 1 blocks", "stream_all p1 + LoRA")}
     assert {r["family"] for r in pack if r["mode"].endswith("LoRA")} == {"lora", "lora-native"}
