@@ -12,6 +12,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_benchmark.py"
+HOST_BUDGET_SCRIPT = SCRIPT.parent / "host_budget.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 from gpu_benchmark import BenchConfig, comfy_qwen_shapes, overlap_figures  # noqa: E402
@@ -109,3 +110,23 @@ def test_a_row_stops_past_its_limit_once_a_timed_step_is_in():
         clock(1)
     assert ran == [0, 1], "the step's callback (a profiler's stop) runs before the row stops"
     assert len(clock.steps) == 2
+
+
+def test_the_host_budget_benchmark_runs_every_path():
+    """``bench/host_budget.py --smoke``: a 4-block model through plain ComfyUI, the loader and the node at a host
+    budget of 25 %, warm and cold, each in a fresh process; it prints its section and writes nothing."""
+    done = subprocess.run([sys.executable, str(HOST_BUDGET_SCRIPT), "--smoke"], capture_output=True, text=True,
+                          timeout=500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| ComfyUI |"))
+    names = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = [dict(zip(names, (cell.strip() for cell in line.strip("|").split("|"))))
+            for line in lines[lines.index(header) + 2:] if line.startswith("| ")]
+    assert [(row["path"], row["page cache"]) for row in rows] == [
+        (path, cache) for path in ("ComfyUI's Load Diffusion Model", "this pack's loader",
+                                   "Load Diffusion Model + Group Offload") for cache in ("warm", "cold (fadvise)")]
+    assert all(row["latent = plain"] == "yes" for row in rows)
+    cold_loader = rows[3]
+    assert float(cold_loader["1st step from disk MB, mincore / read"].split(" / ")[1]) > 0, "the cold step read the file"
+
