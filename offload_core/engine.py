@@ -47,6 +47,7 @@ from .residency import Residency, backed_off_plan, device_footprint, plan_packin
 from .subclass import flatten
 from .runtime import CudaRuntime, Runtime
 from .slabs import SlabPool
+from .pinning import HostPins
 from .staging import StagingRing
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class GroupOffloadHandle:
         self._runtime = runtime  # None: the device is the host, copies are synchronous
         self._copy_stream = runtime.new_stream() if runtime is not None else None
         self.groups: list[ModuleGroup] = []
-        self._pinner = self._choose_pinner(pinner)
+        self._pins = HostPins(self.groups, self._choose_pinner(pinner), runtime,
+                              None if runtime is None else _drain_without_holding(self))
         self._sources = SourceFiles()  # the mapped files groups kept in place read from
         in_place = (FileMappings(), self._sources)
         for chunk, packed in zip(chunks, _packed_chunks(chunks, resident_bytes, host_budget)):
@@ -108,7 +110,6 @@ class GroupOffloadHandle:
                 progress(len(self.groups), len(chunks))
         self._inference = any(g.inference for g in self.groups)  # the kind of device buffers to make
         self._slabs = SlabPool(config.onload_device, runtime, self._copy_stream, self._inference)
-        self._staging: StagingRing | None = None  # for groups kept in place, or whose pinning was refused
         self._sources.seal()
         self._active: set[int] = set()
         self._trace: list[int] = []
@@ -117,7 +118,6 @@ class GroupOffloadHandle:
         self._patched: dict[int, list[int]] = {}  # group index -> binding indices the patch applies to
         self._patch_bytes = 0
         self._wrapped = [w for g in self.groups for w in self._wrap_entries(g)]
-        self.pin_seconds = 0.0  # host time spent registering (and refused registering) mirrors, in all
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(resident_bytes)
@@ -127,7 +127,7 @@ class GroupOffloadHandle:
     def stats(self) -> dict[str, float | int]:
         """Transfer ledger and layout (never waits for the GPU)."""
         resident = [g for g in self.groups if g.resident]
-        staging = 0 if self._staging is None else self._staging.pinned_bytes
+        staging = self._pins.staging_bytes
         in_place = [g for g in self.groups if not g.mirror.packed]
         return {
             **self.ledger.as_dict(),
@@ -143,7 +143,7 @@ class GroupOffloadHandle:
             "file_backed_bytes": sum(g.mirror.file_backed_bytes for g in in_place),  # of those, in mapped files
             "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned) + staging,  # all it holds page-locked
             "staging_bytes": staging,
-            "pin_seconds": self.pin_seconds,
+            "pin_seconds": self._pins.seconds,
         }
 
     def reset_stats(self) -> None:
@@ -218,76 +218,14 @@ class GroupOffloadHandle:
         self.pin_streamed()
 
     def pin_streamed(self) -> int:
-        """Pin every streamed group's mirror the pinner accepts, unpin the resident ones; a refusal
-        does not stop the others. Groups kept in place, and those pinning refused, go through a
-        staging ring on a CUDA device. Returns the streamed packed bytes left in pageable memory."""
-        self._drop_staging()  # the groups first: a ring is only for what is not pinned
-        started = time.perf_counter()
-        refused = 0
-        if self._pinner is not None:
-            for group in self.groups:
-                if group.resident:
-                    group.mirror.unpin()  # first, so that the streamed ones can have what it held
-            refused = self._pin_pageable_groups()
-            if refused and self._runtime is not None:
-                self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
-        in_place = any(not g.mirror.packed for g in self.groups)
-        pins_at_a_limit = refused and any(g.mirror.pinned for g in self.groups)  # not a driver that pins nothing
-        if self._runtime is not None and (in_place or pins_at_a_limit):
-            self._make_staging(refused)
-        self.pin_seconds += time.perf_counter() - started
-        if refused:
-            refused = sum(g.nbytes for g in self.groups if not g.resident and g.mirror.packed and not g.mirror.pinned)
-            ring = (f"through {self._staging.pinned_bytes / 2**20:.1f} MB of pinned staging buffers"
-                    if self._staging is not None and self._staging.pinned_bytes else "from pageable memory (slower copies)")
-            log.info("%.1f MB of streamed groups stay in pageable memory and stream %s: pinning was refused",
-                     refused / 2**20, ring)
-        return refused
-
-    def _make_staging(self, refused: int) -> None:
-        """A staging ring as large as two of the largest groups, pinned (when pinning was refused for some
-        groups, in the room of the last pinned ones): every unpinned copy then runs at the pinned rate,
-        for two groups' worth of pins. Unpinned when the pinner refuses it, for groups kept in place."""
-        ring = StagingRing(self._runtime, max(g.nbytes for g in self.groups))
-        if refused:
-            self.unpin(at_least=ring.total_bytes)
-        if self._pinner is not None and not ring.pin(self._pinner, self._drain_copies):
-            self._runtime.discard_last_error()
-            if refused:
-                self._pin_pageable_groups()  # no pinned ring after all: the groups take their pins back
-                self._runtime.discard_last_error()
-        if ring.pinned_bytes or any(not g.mirror.packed for g in self.groups):
-            self._staging = ring
-
-    def _pin_pageable_groups(self) -> int:
-        """Pin each streamed packed group not pinned yet; the bytes the pinner refused."""
-        return sum(g.nbytes for g in self.groups
-                   if not g.resident and g.mirror.packed and not g.mirror.pinned and not self._pin(g))
-
-    def _drop_staging(self) -> None:
-        if self._staging is not None:
-            self._queue_staged_copies()
-            self._staging.unpin()  # after the copies that read it (the drain given to ``pin``)
-            self._staging = None
+        """Pin every streamed group the pinner accepts (``HostPins.pin_streamed``); the streamed packed bytes
+        left in pageable memory."""
+        return self._pins.pin_streamed()
 
     def unpin(self, at_least: int | None = None) -> int:
-        """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
-        ``at_least`` bytes of it; returns the bytes unpinned."""
-        freed = 0
-        for group in reversed(self.groups):
-            if at_least is not None and freed >= at_least:
-                break
-            if group.mirror.pinned:
-                group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
-                freed += group.nbytes
-        if self._staging is not None and (at_least is None or freed < at_least):
-            freed += self._staging.pinned_bytes
-            if all(g.mirror.packed for g in self.groups):
-                self._drop_staging()
-            else:  # the groups kept in place stream through it still, from pageable memory
-                self._queue_staged_copies()
-                self._staging.unpin()
-        return freed
+        """Return the mirrors' page-locked memory, all of it or, last groups first, at least ``at_least``
+        bytes of it (``HostPins.unpin``); returns the bytes unpinned."""
+        return self._pins.unpin(at_least)
 
     def device_bytes_needed(self) -> int:
         """Device memory the offloaded blocks hold while sampling: resident groups plus slabs
@@ -347,7 +285,8 @@ class GroupOffloadHandle:
             group.release()
             for block in group.blocks:
                 _MANAGED.pop(block, None)
-        self._drop_staging()
+        self._queue_staged_copies()
+        self._pins.drop_staging()
         self._forget_slabs()
         for block, name, wrapper in self._wrapped:
             if block.__dict__.get(name) is wrapper:
@@ -516,7 +455,7 @@ class GroupOffloadHandle:
                 self._copy_into(group, slab, non_blocking=False)
             elif self._staged(group):
                 group.show(slab)  # the modules see the slab now; the compute waits for ``ready`` before it runs
-                ring = self._staging
+                ring = self._pins.staging
                 job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch_targets(group))
                 group.pending = self._runtime.submit(job)
                 self._read_ahead_after(group)
@@ -552,7 +491,7 @@ class GroupOffloadHandle:
     def _staged(self, group: ModuleGroup) -> bool:
         """Whether ``group`` reaches the device through the staging ring: kept in place, or streamed from a
         packed mirror pinning refused."""
-        return self._staging is not None and (not group.mirror.packed or not group.resident and not group.mirror.pinned)
+        return self._pins.staging is not None and (not group.mirror.packed or not group.resident and not group.mirror.pinned)
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
         """Copy the group into ``slab`` and point its modules there: with the device on the host, or from a
@@ -632,10 +571,6 @@ class GroupOffloadHandle:
             return None
         return CudaHostRegister(self.config.onload_device)
 
-    def _pin(self, group: ModuleGroup) -> bool:
-        """Pin one mirror; a refusal's CUDA error is the caller's to discard (once per pass: it syncs the device)."""
-        return group.pin(self._pinner, drain=None if self._runtime is None else self._drain_copies)
-
 
 def apply_group_offload(
     model: nn.Module,
@@ -692,6 +627,21 @@ def apply_group_offload(
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
     return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime, host_budget)
+
+
+def _drain_without_holding(handle: GroupOffloadHandle) -> Callable[[], None]:
+    """``handle``'s drain for the pinned buffers' finalizers, which must not keep it alive: once it is gone,
+    no staged copy is left to queue, and its copy stream is all there is to wait for."""
+    handle_ref, copy_stream = weakref.ref(handle), handle._copy_stream
+
+    def drain() -> None:
+        alive = handle_ref()
+        if alive is None:
+            copy_stream.synchronize()
+        else:
+            alive._drain_copies()
+
+    return drain
 
 
 def _packed_chunks(chunks: list[list[nn.Module]], resident_bytes: int, host_budget: int | None) -> list[bool]:

@@ -259,3 +259,22 @@ def test_groups_kept_in_place_still_stream_once_the_rings_pins_are_given_up(tmp_
         assert torch.equal(offloaded(x), reference(x))
     assert handle.stats()["staged_copies"] >= len(handle.groups) and handle.stats()["pinned_bytes"] == 0
     handle.remove()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_handle_nobody_reaches_goes_with_its_pins_without_remove(tmp_path, checker, share):
+    """The pinned mirrors' and the ring's finalizers wait for the copies through the handle without holding
+    it: dropping the model lets the handle, its pins and its ring go."""
+    import gc
+    import weakref
+
+    reference, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker,
+                                 host_budget=int(share * host_bytes(offloaded)))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    assert checker.cudart.registered
+    gone = weakref.ref(handle)
+    del handle, offloaded
+    gc.collect()
+    assert gone() is None and checker.cudart.registered == {}

@@ -1,0 +1,107 @@
+"""Which host copies are page-locked, and the staging ring for the groups that stream without a pin.
+
+Only streamed groups are pinned (a resident group's host copy is read again only after its device copy
+is dropped). Groups pinning refused (a pinned-memory limit) and groups kept in place by the host budget
+reach the device through a ``StagingRing`` on a CUDA device; past a limit the ring takes the room of the
+last pinned groups.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from .group import ModuleGroup
+from .mirror import Pinner
+from .runtime import Runtime
+from .staging import StagingRing
+
+log = logging.getLogger(__name__)
+
+
+class HostPins:
+    """The pins of one handle's groups (``groups``, as the handle fills it) and its staging ring."""
+
+    def __init__(self, groups: list[ModuleGroup], pinner: Pinner | None, runtime: Runtime | None,
+                 drain: Callable[[], None] | None) -> None:
+        self.groups = groups
+        self.staging: StagingRing | None = None
+        self.seconds = 0.0  # host time spent registering (and refused registering) mirrors, in all
+        self._pinner = pinner
+        self._runtime = runtime  # None: the device is the host, nothing to stage
+        self._drain = drain  # waits for every copy queued or to be queued (before host memory is unpinned)
+
+    @property
+    def staging_bytes(self) -> int:
+        return 0 if self.staging is None else self.staging.pinned_bytes
+
+    def pin_streamed(self) -> int:
+        """Pin every streamed group's mirror the pinner accepts, unpin the resident ones; a refusal
+        does not stop the others. Groups kept in place, and those pinning refused, go through a
+        staging ring on a CUDA device. Returns the streamed packed bytes left in pageable memory."""
+        self.drop_staging()  # the groups first: a ring is only for what is not pinned
+        started = time.perf_counter()
+        refused = 0
+        if self._pinner is not None:
+            for group in self.groups:
+                if group.resident:
+                    group.mirror.unpin()  # first, so that the streamed ones can have what it held
+            refused = self._pin_pageable_groups()
+            if refused and self._runtime is not None:
+                self._runtime.discard_last_error()  # once for the pass, so that it does not surface at a later launch
+        in_place = any(not g.mirror.packed for g in self.groups)
+        pins_at_a_limit = refused and any(g.mirror.pinned for g in self.groups)  # not a driver that pins nothing
+        if self._runtime is not None and (in_place or pins_at_a_limit):
+            self._make_staging(refused)
+        self.seconds += time.perf_counter() - started
+        if refused:
+            refused = sum(g.nbytes for g in self.groups if not g.resident and g.mirror.packed and not g.mirror.pinned)
+            ring = (f"through {self.staging_bytes / 2**20:.1f} MB of pinned staging buffers"
+                    if self.staging_bytes else "from pageable memory (slower copies)")
+            log.info("%.1f MB of streamed groups stay in pageable memory and stream %s: pinning was refused",
+                     refused / 2**20, ring)
+        return refused
+
+    def unpin(self, at_least: int | None = None) -> int:
+        """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
+        ``at_least`` bytes of it; returns the bytes unpinned."""
+        freed = 0
+        for group in reversed(self.groups):
+            if at_least is not None and freed >= at_least:
+                break
+            if group.mirror.pinned:
+                group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
+                freed += group.nbytes
+        if self.staging is not None and (at_least is None or freed < at_least):
+            freed += self.staging.pinned_bytes
+            if all(g.mirror.packed for g in self.groups):
+                self.drop_staging()
+            else:  # the groups kept in place stream through it still, from pageable memory
+                self.staging.unpin()
+        return freed
+
+    def drop_staging(self) -> None:
+        if self.staging is not None:
+            self.staging.unpin()  # after the copies that read it (the drain given to ``pin``)
+            self.staging = None
+
+    def _make_staging(self, refused: int) -> None:
+        """A staging ring as large as two of the largest groups, pinned (when pinning was refused for some
+        groups, in the room of the last pinned ones): every unpinned copy then runs at the pinned rate,
+        for two groups' worth of pins. Unpinned when the pinner refuses it, for groups kept in place."""
+        ring = StagingRing(self._runtime, max(g.nbytes for g in self.groups))
+        if refused:
+            self.unpin(at_least=ring.total_bytes)
+        if self._pinner is not None and not ring.pin(self._pinner, self._drain):
+            self._runtime.discard_last_error()
+            if refused:
+                self._pin_pageable_groups()  # no pinned ring after all: the groups take their pins back
+                self._runtime.discard_last_error()
+        if ring.pinned_bytes or any(not g.mirror.packed for g in self.groups):
+            self.staging = ring
+
+    def _pin_pageable_groups(self) -> int:
+        """Pin each streamed packed group not pinned yet (a refusal's CUDA error is the caller's to discard,
+        once per pass: it syncs the device); the bytes the pinner refused."""
+        return sum(g.nbytes for g in self.groups if not g.resident and g.mirror.packed and not g.mirror.pinned
+                   and not g.pin(self._pinner, self._drain))
