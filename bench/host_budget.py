@@ -138,6 +138,7 @@ def figures(run: dict[str, Any]) -> dict[str, float | None]:
         "packed_mb": last.get("packed_bytes", 0) / MB,
         "in_place_mb": last.get("in_place_bytes", 0) / MB,
         "file_backed_mb": last.get("file_backed_bytes", 0) / MB,
+        "slab_mb": last.get("slab_bytes", 0) / MB,
         "gathered_mb_step": _grew(calls, "gathered_bytes", 1, n) / (n - 1) / MB,
         "first_gather_gbps": _gather_gbps(calls, 0, 1),
         "gather_gbps": _gather_gbps(calls, 1, n),
@@ -284,7 +285,8 @@ CAVEATS = (
     "`stream_all p1, host budget 25 %` row of `bench/gpu_benchmark.py`. Nor is the RAM smaller than the model "
     "here: the page cache keeps the whole file once read, so cold costs the first step only; where the cache "
     "cannot hold the groups kept in place, every step reads again what it dropped, at the 1st cold step's rate. "
-    "Absolute CPU times on this shared 2-core VM are loose; read the ratios, taken within one round.")
+    "That rate is this VM's virtual disk's, which its host may cache; a local disk reads at its own. Absolute CPU "
+    "times on this shared 2-core VM are loose; read the ratios, taken within one round.")
 
 
 def reading(version: str, found: dict[Config, dict[str, Any]]) -> str:
@@ -292,19 +294,24 @@ def reading(version: str, found: dict[Config, dict[str, Any]]) -> str:
     shares = sorted({config.share for config in found if config.via == "loader"})
     low, high = shares[0], shares[-1]
     warm, cold = found[Config("loader", low, False)], found[Config("loader", low, True)]
+    other_reads = found[Config("plain", None, True)]["first_read_mb"]  # plain's weights are anonymous memory
     peaks = {config: f["peak_anon_mb"] for config, f in found.items() if not config.cold}
     return (
         f"ComfyUI {version}: warm, this pack's loader at {low:.0%} steps in {fmt(warm['step_s'], 3)} s, "
         f"{fmt(warm['x_full'])}× its step at {high:.0%}, gathering {fmt(warm['gathered_mb_step'], 0)} MB a step from "
-        f"the page cache at {fmt(warm['gather_gbps'])} GB/s. Cold, its first step read "
-        f"{fmt(cold['first_read_mb'], 0)} MB from storage, of which mincore found "
-        f"{fmt(cold['first_mincore_mb'], 0)} MB missing from the page cache as the gathers began (the read-ahead "
-        f"the core asks for had brought in the rest), and took {fmt(cold['first_s'], 3)} s against "
-        f"{fmt(warm['first_s'], 3)} s warm; the steps after it read {fmt(cold['later_read_mb'], 0)} MB each. Peak "
-        f"RssAnon growth: plain ComfyUI "
+        f"the page cache at {fmt(warm['gather_gbps'])} GB/s. Cold, its first step took {fmt(cold['first_s'], 3)} s "
+        f"against {fmt(warm['first_s'], 3)} s warm, gathering at {fmt(cold['first_gather_gbps'])} GB/s; it read "
+        f"{fmt(cold['first_read_mb'], 0)} MB from storage, of which {fmt(other_reads, 0)} MB were other files "
+        f"(plain ComfyUI's cold first step, which reads nothing of the model, read as much) and "
+        f"{fmt(cold['first_read_mb'] - other_reads, 0)} MB the {fmt(cold['in_place_mb'], 0)} MB kept in place; "
+        f"mincore found {fmt(cold['first_mincore_mb'], 0)} MB of these missing as each gather began: the read-ahead "
+        f"(the core's madvise WILLNEED on the groups that follow, the kernel's own on each fault) had brought in the "
+        f"rest. The steps after it read {fmt(cold['later_read_mb'], 0)} MB each. Peak RssAnon growth: plain ComfyUI "
         f"{fmt(peaks[PLAIN_WARM], 0)} MB; the loader {fmt(peaks[Config('loader', high, False)], 0)} MB "
-        f"at {high:.0%} and {fmt(peaks[Config('loader', low, False)], 0)} MB at {low:.0%}; the node "
-        f"{fmt(peaks[Config('node', low, False)], 0)} MB at {low:.0%}.")
+        f"at {high:.0%} and {fmt(peaks[Config('loader', low, False)], 0)} MB at {low:.0%} (its slabs, "
+        f"{fmt(found[Config('loader', low, False)]['slab_mb'], 0)} MB, and the vectors it reads at once); the node "
+        f"{fmt(peaks[Config('node', low, False)], 0)} MB at {low:.0%}, ComfyUI's copy of the model being what it "
+        f"keeps in place.")
 
 
 def main(argv: list[str]) -> int:
