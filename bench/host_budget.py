@@ -8,10 +8,11 @@ Model, no offloading); every group streamed (``stream_all``, prefetch 1), 1 warm
 steps (euler, cfg 4, cond and uncond batched: one model call a step).
 
 Each configuration runs with a warm page cache (the model file read through just before the process
-starts) and a cold one: right before sampling, the process drops the file from the page cache with
-``/proc/sys/vm/drop_caches`` where it may write it, else ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the
-file. Figures are medians over ``--rounds`` rounds, each of which runs every configuration once; the
-ratios are taken within a round, then their median.
+starts) and a cold one: right before sampling, the process drops the machine's whole page cache with
+``/proc/sys/vm/drop_caches`` where it may write it (other files' pages too: ``--cold fadvise`` spares the
+machine's other users), else the file's pages with ``posix_fadvise(POSIX_FADV_DONTNEED)``. Figures are
+medians over ``--rounds`` rounds, each of which runs every configuration once; the ratios are taken
+within a round, then their median.
 
     .venv/bin/python bench/host_budget.py                              # writes its section of BENCHMARKS.md
     .venv/bin/python bench/host_budget.py --versions 0.3.75,0.33.0     # both ComfyUI versions of dev.py
