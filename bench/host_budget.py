@@ -164,13 +164,15 @@ def _ratios(found: dict[Config, dict[str, Any]], config: Config) -> dict[str, fl
 
 
 def summarize(rounds: list[dict[Config, dict[str, Any]]]) -> dict[Config, dict[str, Any]]:
-    """Each configuration's figures and ratios (taken within each round), median over the rounds; whether every
-    latent matched plain's."""
+    """Each configuration's figures and ratios (taken within each round), median over the rounds, and the range of
+    its step time; whether every latent matched plain's."""
     out = {}
     for config in rounds[0]:
         per_round = [{**found[config]["figures"], **_ratios(found, config)} for found in rounds]
         out[config] = {name: _median([figures[name] for figures in per_round]) for name in per_round[0]}
-        out[config]["same_latent"] = all(found[config]["same_latent"] for found in rounds)
+        steps = [figures["step_s"] for figures in per_round]
+        out[config].update(step_min=min(steps), step_max=max(steps),
+                           same_latent=all(found[config]["same_latent"] for found in rounds))
     return out
 
 
@@ -194,17 +196,18 @@ def run_round(version: Version, models: ModelDir, file_bytes: int, plan: list[Co
 
 
 TABLE_HEADERS = ["ComfyUI", "path", "host budget", "page cache", "file cached at start MB",
-                 "packed / in place (file-backed) MB", "load s", "1st step s", "s/step", "× 100 %", "× plain",
-                 "gathered MB/step", "gather GB/s, 1st step / later", "1st step from disk MB, mincore / read",
-                 "later steps read MB/step", "peak RssAnon − start MB", "RssAnon after − start MB",
-                 "latent = plain"]
+                 "packed / in place (file-backed) MB", "load s", "1st step s", "s/step (range over rounds)",
+                 "× 100 %", "× plain", "gathered MB/step", "gather GB/s, 1st step / later",
+                 "1st step from disk MB, mincore / read", "later steps read MB/step", "peak RssAnon − start MB",
+                 "RssAnon after − start MB", "latent = plain"]
 
 
 def table_row(version: str, config: Config, f: dict[str, Any], evict: str) -> list[str]:
     layout = "—" if config.via == "plain" else (
         f"{f['packed_mb']:.0f} / {f['in_place_mb']:.0f} ({f['file_backed_mb']:.0f})")
     return [version, config.path, config.budget, f"cold ({evict})" if config.cold else "warm", fmt(f["cached_mb"], 0),
-            layout, fmt(f["load_s"], 1), fmt(f["first_s"], 3), fmt(f["step_s"], 3), fmt(f["x_full"]),
+            layout, fmt(f["load_s"], 1), fmt(f["first_s"], 3),
+            f"{fmt(f['step_s'], 3)} ({fmt(f['step_min'], 3)}–{fmt(f['step_max'], 3)})", fmt(f["x_full"]),
             fmt(f["x_plain"]), fmt(f["gathered_mb_step"], 0),
             f"{fmt(f['first_gather_gbps'])} / {fmt(f['gather_gbps'])}",
             f"{fmt(f['first_mincore_mb'], 0)} / {fmt(f['first_read_mb'], 0)}", fmt(f["later_read_mb"], 0),
@@ -262,6 +265,7 @@ def section(results: dict[str, dict[Config, dict[str, Any]]], evict: str, file_b
         table(results, evict),
         COLUMNS,
         *(reading(name, found) for name, found in results.items()),
+        spread(results),
         CAVEATS,
     ])
 
@@ -288,6 +292,13 @@ CAVEATS = (
     "cannot hold the groups kept in place, every step reads again what it dropped, at the 1st cold step's rate. "
     "That rate is this VM's virtual disk's, which its host may cache; a local disk reads at its own. Absolute CPU "
     "times on this shared 2-core VM are loose; read the ratios, taken within one round.")
+
+
+def spread(results: dict[str, dict[Config, dict[str, Any]]]) -> str:
+    """How far one configuration's step time moved between rounds: the noise to read the ratios against."""
+    ranges = [f["step_max"] / f["step_min"] - 1 for found in results.values() for f in found.values()]
+    return (f"Between rounds, one configuration's s/step moved by up to {100 * max(ranges):.0f} % (median "
+            f"{100 * statistics.median(ranges):.0f} %; the range beside each s/step): read the ratios against that.")
 
 
 def reading(version: str, found: dict[Config, dict[str, Any]]) -> str:
