@@ -87,8 +87,8 @@ def _cast_to_model_dtypes(blocks: list[nn.Module]) -> None:
                     param.data = param.data.to(dtype)
 
 
-def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device, settings: OffloadSettings,
-                 fill=None) -> GroupOffloadHandle:
+def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device,
+                 settings: OffloadSettings) -> GroupOffloadHandle:
     """Pack the blocks into host mirrors (with a ComfyUI progress bar) as far as the host budget allows,
     pin the ones planned to stream, and hook them."""
     global _cpu_notice_given
@@ -112,7 +112,6 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         host_budget=packed_budget,
         pin_memory=ComfyPinner.enabled(),
         entry_methods=block_entry_methods(model.diffusion_model),
-        fill=fill,
         pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )

@@ -102,8 +102,9 @@ class GroupOffloadHandle:
         self._pins = HostPins(self.groups, self._choose_pinner(pinner), runtime,
                               None if runtime is None else _drain_without_holding(self))
         self._sources = SourceFiles()  # the mapped files groups kept in place read from
-        in_place = (FileMappings(), self._sources)
-        for chunk, packed in zip(chunks, _packed_chunks(chunks, resident_bytes, host_budget)):
+        packed_chunks = _packed_chunks(chunks, resident_bytes, host_budget)
+        in_place = None if all(packed_chunks) else (FileMappings(), self._sources)  # (/proc/self/maps read once)
+        for chunk, packed in zip(chunks, packed_chunks):
             group = ModuleGroup(len(self.groups), chunk, qualnames, fill, None if packed else in_place)
             self.groups.append(group)
             if progress is not None:
