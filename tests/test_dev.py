@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -68,3 +69,26 @@ def test_counts_come_from_pytests_own_report(dev: ModuleType, tmp_path: Path):
     assert finished.returncode == 1, finished.stdout
     assert dev._junit_counts(report) == {"passed": 1, "failed": 2, "skipped": 2}
     assert dev._junit_counts(tmp_path / "missing.xml") == {}
+
+
+def test_comfyui_gguf_is_unpacked_once_and_skipped_without_its_tarball(dev: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture, tmp_path: Path):
+    comfyui = tmp_path / "ComfyUI"
+    monkeypatch.setattr(dev, "GGUF_NODES_TARBALL", tmp_path / "missing.tar.gz")
+    dev._unpack_gguf_nodes(comfyui)
+    assert "GGUF tests will be skipped" in capsys.readouterr().out
+    assert not (comfyui / "custom_nodes" / "ComfyUI-GGUF").exists()
+
+    source = tmp_path / "source" / "ComfyUI-GGUF"
+    source.mkdir(parents=True)
+    (source / "__init__.py").write_text("NODE_CLASS_MAPPINGS = {}\n")
+    with tarfile.open(tmp_path / "ComfyUI-GGUF.tar.gz", "w:gz") as tar:
+        tar.add(source, arcname="ComfyUI-GGUF")
+    monkeypatch.setattr(dev, "GGUF_NODES_TARBALL", tmp_path / "ComfyUI-GGUF.tar.gz")
+    dev._unpack_gguf_nodes(comfyui)
+    unpacked = comfyui / "custom_nodes" / "ComfyUI-GGUF" / "__init__.py"
+    assert unpacked.read_text() == "NODE_CLASS_MAPPINGS = {}\n"
+
+    unpacked.write_text("# kept\n")  # there already: left as it is
+    dev._unpack_gguf_nodes(comfyui)
+    assert unpacked.read_text() == "# kept\n"
