@@ -15,7 +15,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_benchmark.py"
 HOST_BUDGET_SCRIPT = SCRIPT.parent / "host_budget.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from gpu_benchmark import BenchConfig, comfy_qwen_shapes, overlap_figures  # noqa: E402
+from gpu.config import BenchConfig  # noqa: E402
+from gpu.timing import RowOverTime, StepClock, overlap_figures  # noqa: E402
+from gpu.weights import comfy_qwen_shapes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +103,6 @@ def test_the_checkpoint_has_every_weight_with_dynamic_vram_switched_on(comfy, mo
 
 
 def test_a_row_stops_past_its_limit_once_a_timed_step_is_in():
-    from gpu_benchmark import RowOverTime, StepClock
-
     ran = []
     clock = StepClock(torch.device("cpu"), {0: lambda: ran.append(0), 1: lambda: ran.append(1)}, limit_s=0.0)
     clock(0)  # the warm-up is always kept
