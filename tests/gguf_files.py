@@ -18,7 +18,8 @@ tensor is stored:
 - Q2_K … Q6_K, IQ4_NL, IQ4_XS (:data:`CRAFTED_TYPES`): gguf-py has no quantizer for them, so the blocks
   are crafted: a seeded random payload whose fp16 super-block scales (``d``, and ``dmin`` where the type has
   one) are set so that the dequantized tensor has mean ~0 and the source tensor's standard deviation. Their
-  values are not the source's, only its scale; ``gguf.quants.dequantize`` checks that they are finite.
+  values are not the source's, only its scale; ``gguf.quants.dequantize`` checks that they are finite;
+- any other type (:data:`UNKNOWN_TYPE`, for the bad-input tests): random bytes in its block layout.
 
 API: :func:`write_gguf` ``(path, state_dict, policy, arch)``; :func:`write_tiny_gguf` ``(path, model, policy)``
 for a model of :data:`SOURCES`; a policy is a :class:`gguf.GGMLQuantizationType` (as ComfyUI-GGUF's
@@ -60,6 +61,8 @@ if gguf is not None:
                     QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
     CRAFTED_TYPES = tuple(_FP16_SCALES)
     COMFYUI_GGUF_TYPES = (*QUANTIZER_TYPES, *CRAFTED_TYPES)
+    # A type a GGUF file can hold and ComfyUI-GGUF loads, but that neither it nor gguf-py dequantizes.
+    UNKNOWN_TYPE = QType.Q8_1
 
 Policy = Union["QType", Callable[[str, torch.Tensor], "QType"]]
 
@@ -119,11 +122,17 @@ def _dequantized(blocks: np.ndarray, qtype: QType, scales: Iterable[float]) -> n
     return gguf.quants.dequantize(blocks, qtype)
 
 
+def random_blocks(values: np.ndarray, qtype: QType, generator: np.random.Generator) -> np.ndarray:
+    """Random bytes in ``qtype``'s block layout for ``values``: what crafted blocks start from, and as they are
+    the data of a type nothing here dequantizes (:data:`UNKNOWN_TYPE`)."""
+    size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return generator.integers(0, 256, (*values.shape[:-1], values.shape[-1] // size * type_size), dtype=np.uint8)
+
+
 def craft_blocks(values: np.ndarray, qtype: QType, generator: np.random.Generator) -> np.ndarray:
     """Blocks of ``qtype`` for ``values`` (last dimension a multiple of its block size): a random payload
     scaled to the values' standard deviation, mean ~0; uint8 rows of the quantized bytes."""
-    size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = generator.integers(0, 256, (values.size // size, type_size), dtype=np.uint8)
+    blocks = random_blocks(values, qtype, generator).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
     scale_count = len(_FP16_SCALES[qtype])
     dmin = 0.0
     if scale_count == 2:  # what d adds and what dmin takes away, on average: make them cancel
@@ -148,7 +157,9 @@ def encode(tensor: torch.Tensor, qtype: QType, generator: np.random.Generator) -
         orig_shape, values = tuple(values.shape), values.reshape(-1, _ROW)
     if qtype in _FP16_SCALES:
         return craft_blocks(values, qtype, generator), orig_shape
-    return gguf.quants.quantize(values, qtype), orig_shape
+    if qtype in QUANTIZER_TYPES:
+        return gguf.quants.quantize(values, qtype), orig_shape
+    return random_blocks(values, qtype, generator), orig_shape
 
 
 # --------------------------------------------------------------------------------------------

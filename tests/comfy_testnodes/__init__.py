@@ -2,8 +2,9 @@
 
 Importing it widens ComfyUI's Qwen-Image detection (see ``fixture_models.widen_qwen_detection``) so that a
 server started with it can load the tiny fixture models, and registers a node that stands in for the
-7B Qwen text encoder, and one that makes a block of a model run out of GPU memory (see
-``GroupOffloadTestOutOfMemory``). With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
+7B Qwen text encoder, one that makes a block of a model run out of GPU memory (see
+``GroupOffloadTestOutOfMemory``) and one that gives a model a weight Group Offload cannot pack
+(``GroupOffloadTestPlainSubclass``). With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
 the CUDA-runtime stand-in (``fake_cudart``) and answers ``GET /group_offload_test/pins``; with
 ``GROUP_OFFLOAD_HOLD_WORKER_GC=1`` a ``POST /free`` after the first prompt is certain to land where
 ComfyUI's queue misses it (see ``hold_the_workers_first_collection``).
@@ -239,7 +240,33 @@ class GroupOffloadTestOutOfMemory:
         return (clone,)
 
 
+class PlainSubclass(torch.Tensor):
+    """A tensor subclass that is neither ComfyUI-GGUF's GGMLTensor nor a wrapper subclass."""
+
+
+class GroupOffloadTestPlainSubclass:
+    """The model with the first Linear weight of its first transformer block made a ``PlainSubclass``, in
+    place: the model is changed for good (give it a file of its own)."""
+
+    TITLE = "Plain Subclass (Group Offload tests)"
+    CATEGORY = "testing/group_offload"
+    DESCRIPTION = "Makes a weight of the model's first transformer block a tensor subclass Group Offload cannot pack."
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "change"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL", {"tooltip": "A Qwen-Image model."})}}
+
+    def change(self, model):
+        block = model.model.diffusion_model.transformer_blocks[0]
+        linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+        linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(PlainSubclass), requires_grad=False)
+        return (model,)
+
+
 NODE_CLASS_MAPPINGS = {"GroupOffloadTestConditioning": GroupOffloadTestConditioning,
                        "GroupOffloadTestLiveObjects": GroupOffloadTestLiveObjects,
-                       "GroupOffloadTestOutOfMemory": GroupOffloadTestOutOfMemory}
+                       "GroupOffloadTestOutOfMemory": GroupOffloadTestOutOfMemory,
+                       "GroupOffloadTestPlainSubclass": GroupOffloadTestPlainSubclass}
 NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}
