@@ -36,23 +36,21 @@ import contextlib
 import logging
 import uuid
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
 import comfy.model_management as mm
 import comfy.patcher_extension
-import comfy.sampler_helpers
 from comfy.model_patcher import ModelPatcher
 
-from ..offload_core import (GroupOffloadHandle, UnpackableTensorError, call_backing_off, check_offloadable,
-                            format_bytes, handle_of)
+from ..offload_core import GroupOffloadHandle, UnpackableTensorError, check_offloadable, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks
-from .handles import (build_handle, built_for, handle_for_model, mark_run_started, own_handle, remove_handle,
-                      warn_if_unpinned)
+from .handles import build_handle, built_for, mark_run_started, own_handle, remove_handle, warn_if_unpinned
 from .lora import BlockPatches
 from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
+from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
 from .telemetry import finish_run, post_cfg_step, start_run
 
@@ -182,7 +180,7 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def pre_run(self):
         super().pre_run()
-        _refuse_cuda_graphs(self.model_options)
+        refuse_cuda_graphs(self.model_options)
         handle = self.current_handle()
         mark_run_started(self.model.diffusion_model)
         if handle is not None:
@@ -191,7 +189,7 @@ class GroupOffloadPatcher(ModelPatcher):
                       cpu_only=torch.device(self.load_device).type == "cpu")
 
     def cleanup(self):
-        _log_back_offs(finish_run(self.model.diffusion_model))
+        log_back_offs(finish_run(self.model.diffusion_model))
         super().cleanup()
 
     def plan_for_run(self, activation_bytes: int) -> None:
@@ -253,70 +251,6 @@ class GroupOffloadPatcher(ModelPatcher):
         return {key: patches for key, patches in self.patches.items() if key.startswith(prefixes)}
 
 
-# --- the sampling run: ComfyUI's wrappers on the patcher ------------------------------------------
-
-# torch.compile settings that replay CUDA graphs (ComfyUI keeps TorchCompileModel's under this key).
-_CUDA_GRAPH_BACKENDS = {"cudagraphs"}
-_CUDA_GRAPH_MODES = {"reduce-overhead", "max-autotune"}
-
-
-def _refuse_cuda_graphs(model_options: dict[str, Any]) -> None:
-    """A CUDA graph replays the weight addresses it recorded, and a streamed group lands in whichever
-    buffer is free: every step would record again (or read another group's weights)."""
-    compiled = model_options.get("torch_compile_kwargs") or {}
-    backend, mode = compiled.get("backend"), compiled.get("mode")
-    setting = (f"backend {backend!r}" if backend in _CUDA_GRAPH_BACKENDS
-               else f"mode {mode!r}" if mode in _CUDA_GRAPH_MODES else None)
-    if setting is not None:
-        raise ValueError(f"Group Offload cannot run a model compiled with CUDA graphs (TorchCompileModel's {setting}): "
-                         "a graph replays the addresses of the weights it recorded, and streamed blocks move between "
-                         "buffers at every step; use the inductor backend")
-
-
-def _plan_for_the_run(executor, patcher: GroupOffloadPatcher, noise_shape, conds, *args, **kwargs):
-    """ComfyUI's ``PREPARE_SAMPLING`` wrapper: before ComfyUI loads the model, the patcher learns the
-    activations of this run as ComfyUI estimates them for ``load_models_gpu`` (the same call)."""
-    patcher.plan_for_run(int(comfy.sampler_helpers.estimate_memory(patcher, noise_shape, conds)[0]))
-    return executor(patcher, noise_shape, conds, *args, **kwargs)
-
-
-def _apply_model_backing_off(executor, *args, **kwargs):
-    """ComfyUI's ``APPLY_MODEL`` wrapper: the whole diffusion-model call (only this model's) runs again,
-    with less of the model on the GPU, each time it runs out of GPU memory."""
-    base_model = executor.class_obj
-    handle = handle_for_model(base_model)  # (``load`` built it before any forward)
-    return call_backing_off(handle, lambda: executor(*args, **kwargs), advice=lambda: _what_would_fit(base_model, handle))
-
-
-def _what_would_fit(base_model: nn.Module, handle: GroupOffloadHandle) -> str:
-    """The end of the error once no fallback is left: what the model holds on the GPU then, and the room
-    this run's activations would need beside it."""
-    other_weights = mm.module_size(base_model) - handle.stats()["host_bytes"]
-    held = handle.residency().device_bytes + other_weights
-    total = mm.get_total_memory(handle.config.onload_device)
-    room = total - held - mm.extra_reserved_memory()
-    activations = RUN_ACTIVATIONS.get(base_model, 0)
-    if activations > room > 0:
-        fits = (f"so a latent of about {room / activations:.0%} of this one's size would fit: lower the resolution, "
-                f"the frame count or the batch size")
-    else:
-        fits = "which would fit: other models or programs hold the rest of the GPU's memory; unload them"
-    buffer = (f"; with prefetch 0 the model needs one streaming buffer "
-              f"({format_bytes(max(g.nbytes for g in handle.groups))}) less") if handle.prefetch else ""
-    return (f"At the last plan the model held {format_bytes(held)} of the GPU's {format_bytes(total)}; ComfyUI "
-            f"estimates this run's activations at {format_bytes(activations)}, {fits}{buffer}.")
-
-
-def _log_back_offs(run: dict[str, Any] | None) -> None:
-    """One line for a sampling run that ran out of GPU memory and backed off."""
-    if run is None or not run["back_offs"]:
-        return
-    log.warning("Group Offload: the GPU ran out of memory in this sampling run; the model call ran again with less "
-                "of the model on the GPU, %d time(s), down to %d of %d groups resident with prefetch %d. The next run "
-                "plans afresh; should this happen at every run, use residency budget with a smaller resident_gb",
-                run["back_offs"], run["resident_groups"], run["groups"], run["prefetch"])
-
-
 # --- making one -----------------------------------------------------------------------------------
 
 # Dynamic model (shared by all its clones) -> its non-dynamic twin, as ``clone(model_override=...)`` takes it.
@@ -352,8 +286,8 @@ def _check_offloadable(blocks: list[nn.Module]) -> None:
 
 
 _WRAPPER_KEY = "group_offload"
-_WRAPPERS = {comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING: _plan_for_the_run,
-             comfy.patcher_extension.WrappersMP.APPLY_MODEL: _apply_model_backing_off}
+_WRAPPERS = {comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING: plan_for_the_run,
+             comfy.patcher_extension.WrappersMP.APPLY_MODEL: apply_model_backing_off}
 
 
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
