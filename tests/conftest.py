@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gguf_files
 from comfy_boot import REPO_ROOT, boot_comfyui_in_process, comfyui_path, comfyui_version
 from deprecations import pack_deprecations
 from fake_cudart import FakeCudart, install as install_fake_cudart
@@ -161,9 +162,12 @@ def full_width_qwen_name(comfy_models: ModelDir, full_width_qwen_path: Path) -> 
 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
-    """A real ComfyUI server (main.py) with this pack, the test nodes and the tiny models; it pins
-    through the CUDA-runtime stand-in (``fake_cudart``), as ComfyUI pins on a GPU machine, and drops a
-    node's output as soon as a prompt no longer has the node (the classic cache)."""
+    """A real ComfyUI server (main.py) with this pack, the test nodes, ComfyUI-GGUF where dev.py unpacked it, and
+    the tiny models; it pins through the CUDA-runtime stand-in (``fake_cudart``), as ComfyUI pins on a GPU
+    machine, and drops a node's output as soon as a prompt no longer has the node (the classic cache)."""
     fake_cudart = {"GROUP_OFFLOAD_FAKE_CUDART": "1"}  # read by the test nodes inside the server
-    with ComfyServer(tmp_path_factory.mktemp("comfy_server"), env=fake_cudart, classic_cache=True) as server:
+    base_dir = tmp_path_factory.mktemp("comfy_server")
+    if gguf_files.comfyui_gguf_missing() is None:
+        gguf_files.link_comfyui_gguf(base_dir)  # for the GGUF template in the browser
+    with ComfyServer(base_dir, env=fake_cudart, classic_cache=True) as server:
         yield server

@@ -21,6 +21,7 @@ from fixture_models import (
     tiny_qwen_image_file,
     tiny_wan_vae_file,
 )
+import gguf_files
 from lora_fixture import make_lora
 from test_block_finder import MODELS, save_tiny_file
 
@@ -31,7 +32,8 @@ FLUX = dataclasses.replace(MODELS["flux"], unet_config={**MODELS["flux"].unet_co
 WAN_T2V = dataclasses.replace(MODELS["wan21"], unet_config={**MODELS["wan21"].unet_config, "in_dim": LATENT_CHANNELS,
                                                             "out_dim": LATENT_CHANNELS})
 # The text width of each kind of diffusion model: the conditioning that stands in for its text encoder has it.
-TEXT_WIDTHS = {"qwen_image": 64, "flux": FLUX.unet_config["context_in_dim"], "wan_t2v": WAN_T2V.unet_config["text_dim"]}
+TEXT_WIDTHS = {"qwen_image": 64, "qwen_image_gguf": 64, "flux": FLUX.unet_config["context_in_dim"],
+               "wan_t2v": WAN_T2V.unet_config["text_dim"]}
 
 
 # ComfyUI's default image VAE (comfy/sd.py), as Flux's ae.safetensors is: 16 latent channels, no quant convs.
@@ -59,6 +61,7 @@ def _image(path: Path) -> None:
 WRITERS = {
     "qwen_image": lambda path: link_or_copy(tiny_qwen_image_file(), path),
     "qwen_image_lora": lambda path: make_lora(tiny_qwen_image_file(), path),
+    "qwen_image_gguf": lambda path: gguf_files.write_tiny_gguf(path, policy=gguf_files.QType.Q4_K),
     "flux": lambda path: save_tiny_file(FLUX, path),
     "wan_t2v": lambda path: save_tiny_file(WAN_T2V, path),
     "wan_vae": lambda path: link_or_copy(tiny_wan_vae_file(), path),

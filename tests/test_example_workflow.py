@@ -2,7 +2,8 @@
 names the files it expects in a note, offloads every model it samples with, and runs headless through a real
 server that holds tiny stand-ins under those file names (stand_ins: the text encoders are stood in for by
 seeded conditioning, sizes shrink to 64 px and sampling to 2 steps, and every group streams: on a CPU,
-``residency = auto`` keeps all of a tiny model resident)."""
+``residency = auto`` keeps all of a tiny model resident). A template with ComfyUI-GGUF's loader runs where
+``dev.py setup`` unpacked ComfyUI-GGUF, and is skipped elsewhere."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import gguf_files
 import stand_ins
 from comfy_boot import TESTS_DIR
 from fixture_models import link_or_copy_dir
@@ -38,6 +40,7 @@ STAND_INS = {
     "diffusion_models/qwen_image_bf16.safetensors": "qwen_image",
     "diffusion_models/qwen_image_fp8_e4m3fn.safetensors": "qwen_image",
     "diffusion_models/qwen_image_edit_2509_fp8_e4m3fn.safetensors": "qwen_image",
+    "diffusion_models/qwen-image-Q4_K_M.gguf": "qwen_image_gguf",
     "diffusion_models/flux1-dev.safetensors": "flux",
     "diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": "wan_t2v",
     "diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": "wan_t2v",
@@ -56,10 +59,24 @@ SMALL_SIZES = {"EmptySD3LatentImage": {"width": 64, "height": 64},
                "EmptyHunyuanLatentVideo": {"width": 64, "height": 64, "length": 1}}
 STEPS = 2
 STREAM_EVERY_GROUP = {"residency": "stream_all"}
+GGUF_LOADERS = {"UnetLoaderGGUF", "UnetLoaderGGUFAdvanced"}  # ComfyUI-GGUF's
+# Until Group Offload streams GGUF models (issue 31) it refuses them: the GGUF template cannot run yet.
+NEEDS_GGUF_STREAMING = pytest.mark.xfail(reason="Group Offload does not stream GGUF models yet (issue 31)")
 
 
 def template_id(path) -> str:
     return path.stem
+
+
+def needs_comfyui_gguf(workflow: dict, comfy=None) -> None:
+    """For a template with ComfyUI-GGUF's loader: skip without ComfyUI-GGUF, else load it into ``comfy`` (this
+    process's ComfyUI) when given."""
+    if not GGUF_LOADERS & {node["type"] for node in workflow["nodes"]}:
+        return
+    if gguf_files.comfyui_gguf_missing():
+        pytest.skip(gguf_files.comfyui_gguf_missing())
+    if comfy is not None:
+        gguf_files.load_comfyui_gguf(comfy)
 
 
 def files_named(workflow: dict, spec_of) -> list[str]:
@@ -81,6 +98,7 @@ def in_process_spec(comfy):
 @pytest.mark.parametrize("path", TEMPLATES, ids=template_id)
 def test_example_workflow_is_valid(comfy, path):
     workflow = load(path)
+    needs_comfyui_gguf(workflow, comfy)
     by_id = {n["id"]: n for n in workflow["nodes"]}
     for node in workflow["nodes"]:
         if node["type"] in FRONTEND_ONLY_NODES:
@@ -103,6 +121,7 @@ def test_example_workflow_is_valid(comfy, path):
 @pytest.mark.parametrize("path", TEMPLATES, ids=template_id)
 def test_example_workflow_names_its_files_in_a_note(comfy, path):
     workflow = load(path)
+    needs_comfyui_gguf(workflow, comfy)
     notes = note_text(workflow)
     files = files_named(workflow, in_process_spec(comfy))
     assert files, "the workflow loads no file"
@@ -159,6 +178,8 @@ def stand_in_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyS
     base_dir = tmp_path_factory.mktemp("stand_in_server")
     (base_dir / "custom_nodes").mkdir()
     link_or_copy_dir(TESTS_DIR / "stand_in_models", base_dir / "custom_nodes" / "stand_in_models")
+    if gguf_files.comfyui_gguf_missing() is None:
+        gguf_files.link_comfyui_gguf(base_dir)
     with ComfyServer(base_dir, env={stand_ins.ENV: json.dumps(STAND_INS)}) as server:
         yield server
 
@@ -195,9 +216,11 @@ def headless_prompt(workflow: dict, object_info: dict) -> dict[str, dict]:
     return prompt
 
 
-@pytest.mark.parametrize("path", TEMPLATES, ids=template_id)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=NEEDS_GGUF_STREAMING) if "gguf" in p.stem else p
+                                  for p in TEMPLATES], ids=template_id)
 def test_example_workflow_runs_headless_with_stand_ins(stand_in_server: ComfyServer, path):
     workflow = load(path)
+    needs_comfyui_gguf(workflow)
     unknown = set(files_named(workflow, lambda t: stand_in_server.object_info[t]["input"])) - set(STAND_INS)
     assert {f.split("/")[0] for f in unknown} <= {"text_encoders"}, f"no stand-in for {unknown}"
 

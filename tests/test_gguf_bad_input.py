@@ -98,8 +98,9 @@ def test_a_tensor_type_comfyui_gguf_does_not_dequantize_is_refused_by_name(gguf_
     unknown = gguf_files.UNKNOWN_TYPE.name
 
     plain = gguf_prompt(name, seed=3)
-    plain["6"]["inputs"]["model"] = ["1", 0]  # ComfyUI-GGUF alone fails only once it samples
-    error = node_error(gguf_server, plain)
+    plain["6"]["inputs"]["model"] = ["1", 0]  # ComfyUI-GGUF alone fails only once it samples (its model loaded)
+    messages = gguf_server.wait(gguf_server.queue(plain), check=False)["status"]["messages"]
+    error = next(m[1] for m in messages if m[0] == "execution_error")
     assert error["node_type"] == "KSampler" and unknown in error["exception_message"]
 
     error = node_error(gguf_server, gguf_prompt(name, seed=4))
