@@ -52,6 +52,11 @@ def start_comfyui(config: BenchConfig, dynamic: bool) -> str:
     return "Dynamic VRAM (ModelPatcherDynamic)"
 
 
+def comfy_system(patcher: str) -> str:
+    """The name of ComfyUI's own rows for the patcher :func:`start_comfyui` started."""
+    return "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
+
+
 def _call_first_accepted(function: Callable[..., Any], *keyword_sets: dict[str, Any]) -> Any:
     """``function(**kwargs)`` with the first keyword set this version accepts (older protocols take fewer)."""
     for kwargs in keyword_sets[:-1]:

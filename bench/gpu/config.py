@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,15 @@ class BenchConfig:
     text_tokens: int = 128
     caps_bytes: tuple[int, ...] = (40 * GIB, 24 * GIB)
     fp8_caps_bytes: tuple[int, ...] = (16 * GIB,)
+    legacy_caps_bytes: tuple[int, ...] = (24 * GIB, 16 * GIB)
+    gguf_caps_bytes: dict[str, tuple[int, ...]] = field(default_factory=lambda: {"Q8_0": (8 * GIB, 12 * GIB),
+                                                                                  "Q4_K": (8 * GIB,)})
+    compile_blocks: int = 20  # 13.6 GB in bf16: cold inductor compiles stay short
+    compile_cap_bytes: int = 12 * GIB  # about half of the 20 blocks stream
+    box_blocks: int = 60  # the box family's fp8 file: 60 blocks are full-size Qwen-Image, 20.4 GB
+    # (RAM, card) pairs of the user's machines: 32 GB with a 16 GiB card, 16 GB with a 12 GiB card.
+    box_machines: tuple[tuple[int, int], ...] = ((32 * GIB, 16 * GIB), (16 * GIB, 12 * GIB))
+    box_os_bytes: int = 3 * GIB  # what the OS and desktop hold on such a machine, beside ComfyUI
     steps: int = 2  # timed, after one warm-up step
     row_limit_s: float = 60.0  # a row stops after the step that passes it (the steps so far are kept)
     lora_rank: int = 16
@@ -38,7 +47,10 @@ def smoke_config() -> BenchConfig:
     """Three blocks of width 64 at 64×64 on the CPU; the caps are labels only (nothing is enforced)."""
     return BenchConfig(smoke=True, blocks=3, heads=2, head_dim=32, joint_dim=64, width=64, height=64,
                        text_tokens=8, steps=2, pool_numel=1 << 12, caps_bytes=(2 * 2**20, 2**20),
-                       fp8_caps_bytes=(2**20,))
+                       fp8_caps_bytes=(2**20,), legacy_caps_bytes=(2 * 2**20, 2**20),
+                       gguf_caps_bytes={"Q8_0": (2**20, 2 * 2**20), "Q4_K": (2**20,)}, compile_blocks=2,
+                       compile_cap_bytes=2**20, box_blocks=3,
+                       box_machines=((32 * GIB, 2 * 2**20), (16 * GIB, 2**20)))
 
 
 @dataclass
@@ -59,8 +71,15 @@ class Row:
     pinned_bytes: int | None = None  # this pack's page-locked mirrors
     comfy_pinned_bytes: int | None = None  # ComfyUI's own pinned-memory total
     peak_rss_bytes: int | None = None
+    read_bytes: float | None = None  # read from storage per timed step (/proc/self/io)
+    load_s: float | None = None  # the loader node's time, where the row loads a file (box)
+    second_first_step_s: float | None = None  # the first step of a second generation queued after the first (box)
+    disk_bytes: float | None = None  # this pack's gathered_from_disk_bytes per timed step
     note: str = ""
     skipped: str | None = None
+    index: int | None = None  # the row's place in its family, set as it begins (begin_row)
+    limit_s: float | None = None  # wall-clock limit from its start to its RESULT line; None: the config's
+
 
     @property
     def seconds(self) -> float | None:
@@ -68,9 +87,47 @@ class Row:
 
 
 def emit(kind: str, payload: dict[str, Any]) -> None:
-    """One line for the parent: a row the moment it ends, or a fact about the family."""
+    """One line for the parent: a row as it begins and the moment it ends, or a fact about the family."""
     print(RESULT_PREFIX + json.dumps({"kind": kind, **payload}), flush=True)
+
+
+class RowCounter:
+    """Numbers a family's rows as they begin. A family's process started again after a row that failed or ran
+    out of time (``--skip``) passes over the rows before it: the parent has their RESULT lines already."""
+
+    def __init__(self) -> None:
+        self.skip, self.count = 0, 0
+
+    def begin(self, row: Row, config: BenchConfig) -> bool:
+        """Number ``row`` and tell the parent it began, with its limit; False (and ``row.skipped`` set) for a
+        row an earlier process of the family reported."""
+        if row.index is not None:
+            return row.skipped is None
+        row.index, self.count = self.count, self.count + 1
+        if row.index < self.skip:
+            row.skipped = "reported by an earlier process of its family"
+            return False
+        row.limit_s = row.limit_s or config.row_limit_s + LOAD_ALLOWANCE_S
+        emit("start", asdict(row))
+        return True
+
+
+# What a row may take beyond its sampling limit: the load, the warm-up step.
+LOAD_ALLOWANCE_S = 60.0
+ROWS = RowCounter()
 
 
 def cap_label(cap: int | None) -> str:
     return "whole card" if cap is None else f"{cap / GIB:.0f} GiB" if cap >= GIB else f"{cap / 2**20:.0f} MiB"
+
+
+def config_from_json(raw: dict[str, Any]) -> BenchConfig:
+    """The config a worker was given (``asdict`` through JSON: its tuples came back as lists)."""
+    def tuples(value: Any) -> Any:
+        if isinstance(value, list):
+            return tuple(tuples(v) for v in value)
+        if isinstance(value, dict):
+            return {k: tuples(v) for k, v in value.items()}
+        return value
+
+    return BenchConfig(**{k: tuples(v) for k, v in raw.items()})

@@ -68,7 +68,32 @@ def results_markdown(rows: list[dict[str, Any]], facts: dict[str, Any], traces: 
                          f"of the copy time hidden); GPU idle {100 * trace['gpu_idle_of_step']:.0f} % of the step.")
         else:
             lines.append(f"Profiled step ({trace['family']}: {trace['mode']}): `{trace['trace']}` (no GPU events on a CPU).")
+    lines += compile_lines(rows) + box_lines(rows, facts)
     return "\n".join(lines) + "\n\n" + markdown_table(headers, table)
+
+
+def compile_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The compile family's first step less its steady step: the load and the compile (the eager rows': the load)."""
+    parts = [f"{r['system']}, {r['mode']}: {r['first_step_s'] - r['seconds']:.1f} s" for r in rows
+             if r["family"].startswith("compile-") and r["seconds"] is not None]
+    return [f"Compile (first step less the steady step: load and compile; eager rows: load only): {'; '.join(parts)}."] if parts else []
+
+
+def box_lines(rows: list[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
+    """The user's machine: a table of its own (load, first and second generation, bytes from storage, RSS)."""
+    box = [r for r in rows if r["family"] == "box"]
+    if not box:
+        return []
+    written = facts.get("box_file", {})
+    headers = ["machine", "card", "system", "load s", "first step s", "s/step", "2nd generation's first step s",
+               "read from storage GB/step", "pack: from disk GB/step", "peak RSS GB", "note"]
+    table = [[r["dtype"], cap_label(r["cap_bytes"]), f"{r['system']}, {r['mode']}", fmt(r["load_s"], 1),
+              fmt(r["first_step_s"], 1), fmt(r["seconds"], 3), fmt(r["second_first_step_s"], 2), _gb(r["read_bytes"]),
+              _gb(r["disk_bytes"]), _gb(r["peak_rss_bytes"]), r["skipped"] or r["note"]] for r in box]
+    file_line = (f"The user's machine: fp8 file of {written['bytes'] / 1e9:.1f} GB written (fsynced) in "
+                 f"{written['write_s']:.0f} s ({written['bytes'] / written['write_s'] / 1e9:.2f} GB/s)." if written
+                 else "The user's machine:")
+    return ["", file_line, "", markdown_table(headers, table), ""]
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:

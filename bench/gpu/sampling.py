@@ -15,7 +15,7 @@ import torch
 from host_memory import peak_rss_bytes, reset_peak
 
 from .balloon import Balloon
-from .config import BenchConfig, Row, cap_label, emit
+from .config import ROWS, BenchConfig, Row, cap_label, emit
 from .timing import CallCounter, RowOverTime, StepClock, StepProfile
 
 log = logging.getLogger("gpu_benchmark")
@@ -31,53 +31,99 @@ def conditioning(config: BenchConfig, seed: int) -> list:
     return [[cond, {"pooled_output": None}]]
 
 
-def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon,
-               at_step: dict[int, Callable[[], None]] | None = None) -> Row:
-    """Sample 1 + ``config.steps`` steps with ``model`` at the row's cap and fill the row."""
-    import comfy.model_management as mm
-    import comfy.sample
+class Sampling:
+    """One sampling run of 1 + ``config.steps`` steps through ``comfy.sample.sample`` (KSampler's path), timed
+    per step: the warm-up (which includes the load) then the timed steps, the model calls and the bytes this
+    process read from storage over the timed steps."""
 
-    steps = 1 + config.steps
-    at_step = dict(at_step or {})
-    first = at_step.get(0)
+    def __init__(self, model: Any, config: BenchConfig, at_step: dict[int, Callable[[], None]] | None = None) -> None:
+        self.model, self.config = model, config
+        self.at_step = dict(at_step or {})
+        self.read_from = 0
+        first = self.at_step.get(0)
 
-    def after_warmup() -> None:
-        handle = offload_handle(model)  # built at the first load
-        if handle is not None:
-            handle.reset_stats()
-        counter.calls = 0
-        if first is not None:
-            first()
+        def after_warmup() -> None:
+            handle = offload_handle(model)  # built at the first load
+            if handle is not None:
+                handle.reset_stats()
+            self.counter.calls, self.read_from = 0, io_read_bytes()
+            if first is not None:
+                first()
 
-    at_step[0] = after_warmup
-    counter = CallCounter(model)
+        self.at_step[0] = after_warmup
+        self.counter = CallCounter(model)
+        self.clock = StepClock(config.device, self.at_step, config.row_limit_s)
+        self.stopped = ""
+
+    def run(self, seed: int = 0) -> "Sampling":
+        import comfy.sample
+
+        config = self.config
+        latent = torch.zeros((1, 16, config.height // 8, config.width // 8))
+        latent = comfy.sample.fix_empty_latent_channels(self.model, latent)
+        noise = comfy.sample.prepare_noise(latent, seed)
+        try:
+            with torch.inference_mode():
+                comfy.sample.sample(self.model, noise, 1 + config.steps, 4.0, "euler", "simple",
+                                    conditioning(config, 1), conditioning(config, 2), latent, denoise=1.0,
+                                    callback=self.clock, disable_pbar=True, seed=seed)
+        except RowOverTime:
+            self.stopped = (f"stopped past the row's {config.row_limit_s:.0f} s after "
+                            f"{len(self.clock.steps) - 1} timed step(s)")
+        finally:
+            self.counter.remove()
+        return self
+
+    def fill(self, row: Row) -> None:
+        """The row's step times, calls and bytes from this run."""
+        import comfy.model_management as mm
+
+        steps = self.clock.steps
+        row.first_step_s, row.step_s = steps[0], steps[1:]
+        row.calls_per_step = self.counter.calls / len(row.step_s)
+        row.read_bytes = (io_read_bytes() - self.read_from) / len(row.step_s)
+        row.peak_rss_bytes = peak_rss_bytes()
+        row.comfy_pinned_bytes = getattr(mm, "TOTAL_PINNED_MEMORY", None)
+        if self.stopped:
+            row.note = self.stopped
+        _read_loaded(row, self.model, offload_handle(self.model), len(row.step_s))
+
+
+def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon, out: Path | None = None) -> Row:
+    """Sample ``model`` at the row's cap and fill the row; with ``out``, the first timed step is traced."""
+    if not ROWS.begin(row, config):
+        return row
+    profile = StepProfile(config, out, trace_name(row)) if out is not None else None
     try:
         balloon.set_cap(row.cap_bytes)
         reset_peak()
-        latent = torch.zeros((1, 16, config.height // 8, config.width // 8))
-        latent = comfy.sample.fix_empty_latent_channels(model, latent)
-        noise = comfy.sample.prepare_noise(latent, 0)
-        clock = StepClock(config.device, at_step, config.row_limit_s)
-        try:
-            with torch.inference_mode():
-                comfy.sample.sample(model, noise, steps, 4.0, "euler", "simple", conditioning(config, 1),
-                                    conditioning(config, 2), latent, denoise=1.0, callback=clock, disable_pbar=True,
-                                    seed=0)
-        except RowOverTime:
-            row.note = f"stopped past the row's {config.row_limit_s:.0f} s after {len(clock.steps) - 1} timed step(s)"
-        row.first_step_s, row.step_s = clock.steps[0], clock.steps[1:]
-        row.calls_per_step = counter.calls / len(row.step_s)
-        row.peak_rss_bytes = peak_rss_bytes()
-        row.comfy_pinned_bytes = getattr(mm, "TOTAL_PINNED_MEMORY", None)
-        _read_loaded(row, model, offload_handle(model), len(row.step_s))
+        Sampling(model, config, {0: profile.start, 1: profile.stop} if profile else None).run().fill(row)
     except torch.cuda.OutOfMemoryError as error:
         row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
-    finally:
-        counter.remove()
+    end_row(row)
+    if profile is not None and not row.skipped:
+        emit("trace", {"family": row.family, "mode": row.mode, "cap_bytes": row.cap_bytes, **profile.write()})
+    return row
+
+
+def end_row(row: Row) -> None:
+    """Log the row and send its RESULT line."""
     log.info("%s %s, cap %s: %s", row.system, row.mode, cap_label(row.cap_bytes),
              row.skipped or f"{row.seconds:.3f} s/step (first {row.first_step_s:.1f} s)")
     emit("row", asdict(row))
-    return row
+
+
+def trace_name(row: Row) -> str:
+    return "step_trace_" + re.sub(r"[^a-z0-9]+", "_", f"{row.family} {row.mode}".lower()).strip("_") + ".json.gz"
+
+
+def io_read_bytes() -> int:
+    """What this process (all its threads, the kernel's read-ahead included) has had read from storage so far
+    (``read_bytes`` of /proc/self/io); 0 where there is no such file."""
+    path = Path("/proc/self/io")
+    if not path.exists():
+        return 0
+    return int(dict(line.split(": ") for line in path.read_text().splitlines())["read_bytes"])
 
 
 def offload_handle(model: Any) -> Any:
@@ -125,14 +171,15 @@ def offload_node(plain: Any, settings: dict[str, Any]) -> Any:
 def offload_row(row: Row, plain: Any, settings: dict[str, Any], config: BenchConfig, balloon: Balloon,
                 out: Path | None = None) -> None:
     """This pack's node on ``plain``; with ``out``, the first timed step is traced."""
-    if out is None:
-        sample_row(row, offload_node(plain, settings), config, balloon)
+    if not ROWS.begin(row, config):
         return
-    name = "step_trace_" + re.sub(r"[^a-z0-9]+", "_", f"{row.family} {row.mode}".lower()).strip("_") + ".json.gz"
-    profile = StepProfile(config, out, name)
-    sample_row(row, offload_node(plain, settings), config, balloon, {0: profile.start, 1: profile.stop})
-    if not row.skipped:
-        emit("trace", {"family": row.family, "mode": row.mode, "cap_bytes": row.cap_bytes, **profile.write()})
+    try:
+        offloaded = offload_node(plain, settings)
+    except ValueError as error:  # the node refused this model (ComfyUI's style): the row says why, the rest run
+        row.skipped = f"the node refused it: {error}"
+        end_row(row)
+        return
+    sample_row(row, offloaded, config, balloon, out)
 
 
 def offload_rows(family: str, plain: Any, config: BenchConfig, balloon: Balloon, dtype: str, cap: int,

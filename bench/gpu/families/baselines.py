@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import gc
 import inspect
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +17,10 @@ from host_memory import peak_rss_bytes, reset_peak
 
 from ..balloon import Balloon
 from ..comfyui import start_comfyui
-from ..config import BenchConfig, Row, emit
+from ..config import ROWS, BenchConfig, Row
+from ..sampling import end_row
 from ..timing import synchronize
 from ..weights import RandomWeights, comfy_qwen_on_meta, fill_module
-
-log = logging.getLogger("gpu_benchmark")
 
 
 def bare_forward(model: nn.Module, config: BenchConfig) -> Callable[[], Any]:
@@ -37,6 +34,8 @@ def bare_forward(model: nn.Module, config: BenchConfig) -> Callable[[], Any]:
 
 def time_bare(row: Row, step: Callable[[], Any], config: BenchConfig, balloon: Balloon, meter: Any = None) -> Row:
     """One timed call, without a warm-up: a baseline call takes tens of seconds, mostly copies."""
+    if not ROWS.begin(row, config):
+        return row
     try:
         balloon.set_cap(row.cap_bytes)
         reset_peak()
@@ -51,8 +50,7 @@ def time_bare(row: Row, step: Callable[[], Any], config: BenchConfig, balloon: B
             row.streamed_bytes, row.d2h_bytes, row.copies = stats["bytes_h2d"], stats["bytes_d2h"], stats["copies_h2d"]
     except torch.cuda.OutOfMemoryError as error:
         row.skipped = f"out of memory: {str(error).splitlines()[0][:160]}"
-    log.info("%s %s: %s", row.system, row.mode, row.skipped or f"{row.seconds:.3f} s/step")
-    emit("row", asdict(row))
+    end_row(row)
     return row
 
 
@@ -111,10 +109,12 @@ def _diffusers_missing() -> str | None:
 def diffusers_rows(config: BenchConfig, balloon: Balloon, cap: int) -> None:
     for use_stream in (True, False):  # use_stream=False was measured on the H200 already
         row = Row("baselines", "diffusers", f"group offload, use_stream={use_stream}", "bf16", cap)
+        if not ROWS.begin(row, config):
+            continue
         row.skipped = _diffusers_missing() or (None if config.device.type == "cuda" or not use_stream
                                                else "use_stream needs CUDA streams")
         if row.skipped:
-            emit("row", asdict(row))
+            end_row(row)
             continue
         model = build_diffusers_model(config)
         row.streamed_bytes = float(sum(t.nbytes for t in (*model.parameters(), *model.buffers())))

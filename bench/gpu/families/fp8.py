@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from ..balloon import Balloon
-from ..comfyui import load_comfy_model, start_comfyui
+from ..comfyui import comfy_system, load_comfy_model, start_comfyui
 from ..config import BenchConfig, Row
 from ..sampling import OFFLOAD_ROWS, comfy_rows, offload_rows, sample_row
 
@@ -16,7 +16,7 @@ def fp8_family(config: BenchConfig, out: Path) -> None:
     patcher = start_comfyui(config, dynamic=True)
     balloon = Balloon(config.device)
     plain = load_comfy_model(config, torch.float8_e4m3fn, dynamic_patcher=True)
-    system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
+    system = comfy_system(patcher)
     comfy_rows("fp8", system, plain, config, balloon, "fp8", config.fp8_caps_bytes)
     sample_row(Row("fp8", "all resident", "resident", "fp8", None), plain, config, balloon)
     for cap in config.fp8_caps_bytes:

@@ -2,7 +2,6 @@
 cap, one profiled step, and the rows of the host side (pins refused, pins capped, a host budget)."""
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,8 @@ import torch
 
 from ..balloon import Balloon
 from ..comfyui import load_comfy_model, start_comfyui
-from ..config import GIB, BenchConfig, Row, emit
-from ..sampling import OFFLOAD_ROWS, offload_handle, offload_node, offload_row, offload_rows, sample_row
+from ..config import GIB, ROWS, BenchConfig, Row, emit
+from ..sampling import OFFLOAD_ROWS, end_row, offload_handle, offload_node, offload_row, offload_rows, sample_row
 from ..timing import measure_bandwidth
 
 
@@ -24,8 +23,12 @@ def pageable_row(family: str, plain: Any, config: BenchConfig, balloon: Balloon,
 
     mode = ("stream_all p1, pins refused" if not pinned_share else
             f"stream_all p1, pins capped at {pinned_share:.0%} (staging ring)")
+    row = Row(family, "this pack", mode, "bf16", cap)
+    if not ROWS.begin(row, config):
+        return
     if pinned_share and config.device.type != "cuda":
-        emit("row", asdict(Row(family, "this pack", mode, "bf16", cap, skipped="needs CUDA: ComfyUI pins nothing under --cpu")))
+        row.skipped = "needs CUDA: ComfyUI pins nothing under --cpu"
+        end_row(row)
         return
     offloaded = offload_node(plain, {"residency": "stream_all", "prefetch": 1})
     handle = offload_handle(offloaded)
@@ -33,7 +36,7 @@ def pageable_row(family: str, plain: Any, config: BenchConfig, balloon: Balloon,
         handle.unpin()
     limit, mm.MAX_PINNED_MEMORY = mm.MAX_PINNED_MEMORY, int(pinned_share * plain.model_size())
     try:
-        sample_row(Row(family, "this pack", mode, "bf16", cap), offloaded, config, balloon)
+        sample_row(row, offloaded, config, balloon)
     finally:
         mm.MAX_PINNED_MEMORY = limit
 
@@ -65,3 +68,16 @@ def pack_family(config: BenchConfig, out: Path) -> None:
     pageable_row("pack", plain, config, balloon, smallest)
     pageable_row("pack", plain, config, balloon, smallest, pinned_share=0.5)
     host_budget_row("pack", plain, config, balloon, smallest)
+
+
+def auto_family(config: BenchConfig, out: Path) -> None:
+    """``auto`` after the batching fix (issue 33, item 1): this pack's node with ``auto`` on the model newest ComfyUI
+    loaded (Dynamic VRAM), bf16, at each cap, the smallest first and its first timed step profiled; beside the
+    ``shipped`` family's rows of the same call."""
+    start_comfyui(config, dynamic=True)
+    balloon = Balloon(config.device)
+    plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
+    smallest = min(config.caps_bytes)
+    for cap in sorted(config.caps_bytes):
+        offload_row(Row("auto", "this pack", "auto", "bf16", cap), plain, dict(OFFLOAD_ROWS)["auto"], config, balloon,
+                    out if cap == smallest else None)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..balloon import Balloon
-from ..comfyui import load_comfy_model, start_comfyui
+from ..comfyui import comfy_system, load_comfy_model, start_comfyui
 from ..config import BenchConfig, Row, emit
 from ..sampling import comfy_rows, sample_row
 
@@ -19,6 +19,6 @@ def shipped_family(config: BenchConfig, out: Path) -> None:
     balloon = Balloon(config.device)
     plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
     emit("fact", {"model_bytes": plain.model_size()})
-    system = "ComfyUI (Dynamic VRAM)" if "Dynamic" in patcher else "ComfyUI legacy"
+    system = comfy_system(patcher)
     sample_row(Row("shipped", "all resident", "resident", "bf16", None), plain, config, balloon)
     comfy_rows("shipped", system, plain, config, balloon, "bf16", tuple(sorted(config.caps_bytes)))
