@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
-import math
-import os
 import warnings
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-import safetensors
 import torch
 from torch import nn
 
@@ -35,111 +31,14 @@ from .blocks import block_list_paths
 from ..offload_core import flatten, map_file
 from .handles import build_handle
 from .patcher import GroupOffloadPatcher, make_offloaded
+from .safetensors_file import SafetensorsFile
 from .settings import OffloadSettings
 
-_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
-_RAW_BYTES = (torch.uint8, torch.int8)  # quantized files may store fp8 scales as raw bytes; ComfyUI views them
 _META = torch.device("meta")
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
-MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
 _INSTEAD = "use Load Diffusion Model followed by Group Offload (no copy-back)"
 
 log = logging.getLogger(__name__)
-
-
-class SafetensorsFile:
-    """The header of a .safetensors file, checked against the file, and reads of single tensors into given memory."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        file_bytes = os.path.getsize(self.path)
-        if file_bytes < 8:
-            raise self._invalid("it is empty" if file_bytes == 0 else f"it is only {file_bytes} bytes long")
-        with open(self.path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if length > MAX_HEADER_BYTES:
-                raise self._invalid(f"its header claims {length} bytes, more than a safetensors header may have")
-            if length > file_bytes - 8:
-                raise self._invalid(f"its header claims {length} bytes, the whole file has {file_bytes}")
-            header = self._parse_header(f.read(length))
-        self.metadata = header.pop("__metadata__", None)
-        self.entries = header
-        self.data_start = 8 + length
-        self._check_layout(file_bytes - self.data_start)
-
-    def _invalid(self, problem: str) -> ValueError:
-        return ValueError(f"{Path(self.path).name} is not a valid safetensors file ({problem}); make sure it is a "
-                          f".safetensors file and was downloaded completely")
-
-    def _parse_header(self, raw: bytes) -> dict:
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
-            raise self._invalid("its header is not JSON") from None
-        if not isinstance(header, dict):
-            raise self._invalid("its header is not a JSON object")
-        metadata = header.get("__metadata__", {})
-        if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-            raise self._invalid("its __metadata__ is not a map of strings")
-        return header
-
-    def _check_layout(self, data_bytes: int) -> None:
-        """Known dtypes, sizes that match shapes, and tensors that lie inside the data and do not overlap."""
-        spans = []
-        for key, entry in self.entries.items():
-            if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
-                raise self._invalid(f"its entry for {key} lacks dtype, shape or data_offsets")
-            if entry["dtype"] not in _DTYPES:
-                raise self._invalid(f"{key} has dtype {entry['dtype']!r}; this loader reads {', '.join(_DTYPES)}")
-            shape, offsets = entry["shape"], entry["data_offsets"]
-            if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-                raise self._invalid(f"{key} has shape {shape!r}, not a list of sizes")
-            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
-                    and 0 <= offsets[0] <= offsets[1]):
-                raise self._invalid(f"{key} has data_offsets {offsets!r}, not [start, end]")
-            needed = math.prod(shape) * _DTYPES[entry["dtype"]].itemsize
-            if offsets[1] - offsets[0] != needed:
-                raise self._invalid(f"{key} spans {offsets[1] - offsets[0]} bytes but its shape and dtype need {needed}")
-            spans.append((offsets[0], offsets[1], key))
-        end, last = 0, None
-        for start, stop, key in sorted(spans):
-            if start < end:
-                raise self._invalid(f"{key} overlaps {last}")
-            end, last = stop, key
-        if end > data_bytes:
-            raise self._invalid(f"it is truncated: its tensors need {end} bytes of data, it holds {data_bytes}")
-
-    def dtype(self, key: str) -> torch.dtype:
-        return _DTYPES[self.entries[key]["dtype"]]
-
-    def shape(self, key: str) -> torch.Size:
-        return torch.Size(self.entries[key]["shape"])
-
-    def placeholder(self, key: str) -> torch.Tensor:
-        """A meta tensor with the tensor's shape and dtype."""
-        return torch.empty(self.shape(key), dtype=self.dtype(key), device=_META)
-
-    def view(self, mapping: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
-        """``key`` as ``like`` (its shape and dtype): a view of ``mapping`` (the whole file, mapped) where the
-        file holds it so; raw bytes (uint8 / int8) of the same width as an fp8 ``like`` are its bits, as
-        ComfyUI ``view``s them. Another dtype is converted (as ``Tensor.copy_`` does), into anonymous memory."""
-        if self.shape(key) != like.shape:
-            raise ValueError(f"{key} has shape {list(self.shape(key))} in {self.path}, the model expects {list(like.shape)}")
-        dtype = self.dtype(key)
-        start, end = self.entries[key]["data_offsets"]
-        offset = self.data_start + start
-        raw = mapping[offset : offset + end - start]
-        if offset % dtype.itemsize:  # (safetensors aligns tensors; a file may not)
-            raw = raw.clone()
-        stored = raw.view(dtype).view(like.shape)
-        if dtype in _RAW_BYTES and like.dtype.is_floating_point and like.dtype.itemsize == 1:
-            return stored.view(like.dtype)
-        return stored if dtype == like.dtype else stored.to(like.dtype)
 
 
 class AsLoaded(NamedTuple):
@@ -267,14 +166,14 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     from its own key.
     """
     st = SafetensorsFile(path)
-    with safetensors.safe_open(path, framework="pt") as f:
-        state_dict = {key: st.placeholder(key) if _read_later(st, key) else f.get_tensor(key) for key in st.entries}
-        loaded = as_comfyui_loads(state_dict, st.metadata, model_options)
-        blocks, file_keys = block_keys(loaded, Path(path).name)
-        later = {file_keys[key] for key in blocks}
-        for key, tensor in state_dict.items():  # the meta tensors outside the blocks are read now
-            if tensor.is_meta and key not in later:
-                state_dict[key] = f.get_tensor(key)
+    mapping = map_file(path)  # read-only: the tensors ComfyUI reads are views of it, nothing else is read
+    state_dict = {key: st.placeholder(key) if _read_later(st, key) else st.tensor(mapping, key) for key in st.entries}
+    loaded = as_comfyui_loads(state_dict, st.metadata, model_options)
+    blocks, file_keys = block_keys(loaded, Path(path).name)
+    later = {file_keys[key] for key in blocks}
+    for key, tensor in state_dict.items():  # the meta tensors outside the blocks are read now
+        if tensor.is_meta and key not in later:
+            state_dict[key] = st.tensor(mapping, key)
     extra = {"disable_dynamic": True} if _ACCEPTS_DISABLE_DYNAMIC else {}
     # Newest ComfyUI takes the offload device from the options: under --gpu-only / --highvram its
     # default is the GPU, where it would move the whole model (0.3.75 always uses its default).
@@ -289,7 +188,8 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     diffusion_model = patcher.model.diffusion_model
     inner_keys = _inner_tensor_keys(path, diffusion_model)
     _check_block_keys(path, diffusion_model, blocks)
-    _map_blocks(diffusion_model, st, file_keys, inner_keys)
+    _map_blocks(diffusion_model, st, mapping, file_keys, inner_keys)
+    _copy_out_of(mapping, diffusion_model)
     offloaded = make_offloaded(patcher, settings)
     build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
@@ -324,27 +224,50 @@ def _blocks_loaded_on_meta(keys: set[str]) -> Iterator[None]:
         comfy.model_base.BaseModel.load_model_weights = load_model_weights
 
 
-def _map_blocks(diffusion_model: nn.Module, st: SafetensorsFile, file_keys: dict[str, str | None],
-                inner_keys: dict[str, list[str]]) -> None:
+def _map_blocks(diffusion_model: nn.Module, st: SafetensorsFile, mapping: torch.Tensor,
+                file_keys: dict[str, str | None], inner_keys: dict[str, list[str]]) -> None:
     """Every block tensor left on the meta device becomes a view of the mapped file (a quantized weight,
     rebuilt over views of its inner tensors' keys)."""
-    mapping = map_file(st.path)
-    for blocks in block_list_paths(diffusion_model):
-        for name, module in diffusion_model.get_submodule(blocks).named_modules(prefix=blocks):
-            for table in (module._parameters, module._buffers):
-                for attr, tensor in table.items():
-                    flat, inner = (None, []) if tensor is None else flatten(tensor)
-                    if not any(t.is_meta for t in inner):
-                        continue  # read at once, being small, or made by ComfyUI
-                    key = f"{name}.{attr}"
-                    parts = [st.view(mapping, _file_key(st, file_keys, part), like)
-                             for part, like in zip(inner_keys.get(key, [key]), inner)]
-                    mapped = parts[0] if flat is None else flat.rebuild(parts)
-                    if table is module._parameters:
-                        mapped = nn.Parameter(mapped, requires_grad=False)
-                        for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
-                            mapped.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
-                    table[attr] = mapped
+    for key, module, table, attr in _tensor_slots(diffusion_model, in_blocks=True):
+        inner = flatten(table[attr])[1]
+        if any(t.is_meta for t in inner):  # (the others were read at once, being small, or made by ComfyUI)
+            _replace(module, table, attr, [st.view(mapping, _file_key(st, file_keys, part), like)
+                                           for part, like in zip(inner_keys.get(key, [key]), inner)])
+
+
+def _copy_out_of(mapping: torch.Tensor, diffusion_model: nn.Module) -> None:
+    """The tensors outside the blocks still in the file's read-only mapping (a quantized layer keeps the
+    parts the state dict gave it) get memory of their own: ComfyUI may patch those in place (weight
+    hooks), and a write to the mapping faults. Only the blocks' writes go elsewhere (to device copies)."""
+    start, end = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
+    for _, module, table, attr in _tensor_slots(diffusion_model, in_blocks=False):
+        inner = flatten(table[attr])[1]
+        if any(start <= t.data_ptr() < end for t in inner):
+            _replace(module, table, attr, [t.clone() for t in inner])
+
+
+def _tensor_slots(diffusion_model: nn.Module, in_blocks: bool) -> Iterator[tuple[str, nn.Module, dict, str]]:
+    """(key, module, table, attribute) of every parameter and buffer inside (or outside) the block lists."""
+    paths = block_list_paths(diffusion_model)
+    prefixes = tuple(f"{path}." for path in paths)
+    for name, module in diffusion_model.named_modules():
+        if (name in paths or name.startswith(prefixes)) != in_blocks:
+            continue
+        for table in (module._parameters, module._buffers):
+            for attr in [attr for attr, tensor in table.items() if tensor is not None]:
+                yield f"{name}.{attr}", module, table, attr
+
+
+def _replace(module: nn.Module, table: dict, attr: str, parts: list[torch.Tensor]) -> None:
+    """``table[attr]`` becomes a tensor over ``parts`` (a quantized weight's, rebuilt), as ComfyUI made it."""
+    tensor = table[attr]
+    flat = flatten(tensor)[0]
+    replaced = parts[0] if flat is None else flat.rebuild(parts)
+    if table is module._parameters:
+        replaced = nn.Parameter(replaced, requires_grad=False)
+        for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
+            replaced.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
+    table[attr] = replaced
 
 
 def _file_key(st: SafetensorsFile, file_keys: dict[str, str | None], key: str) -> str:

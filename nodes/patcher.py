@@ -81,6 +81,7 @@ class GroupOffloadPatcher(ModelPatcher):
     - ``partially_unload``    the handle's device memory goes first, then ComfyUI's own;
     - ``unpatch_model``       the blocks are the handle's to place: ComfyUI moves only the rest of the model;
     - ``detach``              parks the handle before a run, so a plain clone finds pristine host weights;
+    - ``patch_hooks``         weight hooks on the blocks are refused: ComfyUI would write them in place;
     - ``pinned_memory_size`` / ``partially_unload_ram``  ComfyUI counts and releases the handle's pinned mirrors;
     - ``pre_run`` / ``cleanup``  no CUDA graphs; pins taken back; the run's telemetry starts and ends.
     """
@@ -166,6 +167,18 @@ class GroupOffloadPatcher(ModelPatcher):
             handle.park()  # (a stale clone being garbage-collected detaches too: it must not park a running handle)
         return model
 
+    def patch_hooks(self, hooks):
+        # ComfyUI writes a weight hook's patched weights into the model's tensors in place, and back. The
+        # blocks' are the handle's: host copies kept pristine, or read-only views of the mapped file, where
+        # a write faults. Refused before anything is written.
+        if hooks is not None and self._of_blocks(self.get_combined_hook_patches(hooks)):
+            raise ValueError("Group Offload cannot apply weight hooks (Create Hook LoRA, hooks set on a "
+                             "conditioning) to the blocks it streams: ComfyUI writes hooked weights into the "
+                             "model's tensors in place, and the blocks' are Group Offload's host copies or "
+                             "read-only pages of the model file. Load the LoRA on the model with a LoRA loader "
+                             "(LoraLoaderModelOnly) instead; Group Offload applies it on the GPU")
+        return super().patch_hooks(hooks)
+
     def pinned_memory_size(self) -> int:
         """Host memory the handle holds page-locked (newest ComfyUI asks every model)."""
         # No super(): ComfyUI's counts the weights it pinned itself, and it pins none of the blocks.
@@ -247,8 +260,11 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def _block_patches(self) -> dict[str, list]:
         """This patcher's weight patches (LoRA...) of block weights; ComfyUI's own load patches the rest."""
+        return self._of_blocks(self.patches)
+
+    def _of_blocks(self, patches: dict[str, list]) -> dict[str, list]:
         prefixes = tuple(f"diffusion_model.{path}." for path in block_list_paths(self.model.diffusion_model))
-        return {key: patches for key, patches in self.patches.items() if key.startswith(prefixes)}
+        return {key: patch for key, patch in patches.items() if key.startswith(prefixes)}
 
 
 # --- making one -----------------------------------------------------------------------------------

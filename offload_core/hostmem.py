@@ -16,15 +16,19 @@ import logging
 import mmap
 import os
 import sys
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 log = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
+#: Where this process's mappings are listed (Linux).
+PROC_MAPS = Path("/proc/self/maps")
 #: Pages compared to tell a file restored on disk (same bytes, new modification time) from a changed one.
 _FINGERPRINT_PAGES = 64
 
@@ -34,14 +38,18 @@ class SourceChangedError(ValueError):
 
 
 def map_file(path: str | os.PathLike) -> torch.Tensor:
-    """The whole file as a flat ``uint8`` tensor over a private mapping: its pages are file-backed
-    (page cache), never anonymous memory, as long as nothing writes them (the offloader never does)."""
+    """The whole file as a flat ``uint8`` tensor over a read-only shared mapping: its pages are the
+    page cache's, never anonymous memory, and the mapping is not charged against the commit limit, so
+    a file bigger than RAM + swap maps (a private writable mapping of it is refused). Nothing may write
+    it: a write faults (SIGSEGV). The offloader only reads it; patches go to device copies."""
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
-        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)  # the tensor keeps it open
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ)  # the tensor keeps it open
+    with warnings.catch_warnings():  # read-only by design, as ComfyUI's own loader maps its files
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class FileMappings:
     def __init__(self) -> None:
         self._mappings: list[_Mapping] = []
         try:
-            lines = Path("/proc/self/maps").read_text().splitlines()
+            lines = PROC_MAPS.read_text().splitlines()
         except OSError:
             return
         for line in lines:
@@ -121,23 +129,29 @@ class SourceFiles:
 
 
 class _SourceFile:
+    """One mapped file, asked through a descriptor opened when it was mapped: the file the mapping reads,
+    whatever the path names later (a file replaced under it), and whatever device and inode stat shows
+    for it (overlayfs, as in Docker, shows its own, not the ones ``/proc/self/maps`` lists)."""
+
     def __init__(self, path: str, device: int, inode: int) -> None:
         self.path, self.device, self.inode = path, device, inode
         self.needed = 0
         self.mtime_ns = 0
         self.fingerprint = 0
+        try:
+            self._file: BinaryIO | None = open(path, "rb")  # open while the mapping is read
+        except OSError:
+            self._file = None  # removed since it was mapped: no path can change the bytes it maps
 
     def seal(self) -> None:
-        self.mtime_ns = os.stat(self.path).st_mtime_ns
-        self.fingerprint = self._fingerprint()
+        if self._file is not None:
+            self.mtime_ns = os.fstat(self._file.fileno()).st_mtime_ns
+            self.fingerprint = self._fingerprint()
 
     def check(self) -> None:
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return  # removed: the mapping keeps the inode, and its bytes, alive
-        if (stat.st_dev, stat.st_ino) != (self.device, self.inode):
-            return  # replaced by another file: the mapping still reads the one it mapped
+        if self._file is None:
+            return
+        stat = os.fstat(self._file.fileno())
         name = Path(self.path).name
         if stat.st_size < self.needed:
             raise SourceChangedError(
@@ -156,9 +170,8 @@ class _SourceFile:
         """A checksum of pages spread over the mapped bytes, read through the file, never the mapping."""
         step = max(_PAGE, self.needed // _FINGERPRINT_PAGES // _PAGE * _PAGE)
         checksum = 0
-        with open(self.path, "rb") as file:
-            for offset in range(0, self.needed, step):
-                checksum = zlib.crc32(os.pread(file.fileno(), _PAGE, offset), checksum)
+        for offset in range(0, self.needed, step):
+            checksum = zlib.crc32(os.pread(self._file.fileno(), _PAGE, offset), checksum)
         return checksum
 
 
@@ -167,6 +180,9 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platfo
 
 #: ``madvise`` advice: read these pages ahead, asynchronously.
 _MADV_WILLNEED = 3
+#: ``madvise`` advice (Linux 5.4+): reclaim these pages now; a file's clean pages leave the page cache
+#: unless another process maps them.
+_MADV_PAGEOUT = 21
 
 
 def advise_will_need(tensor: torch.Tensor) -> None:
@@ -175,6 +191,31 @@ def advise_will_need(tensor: torch.Tensor) -> None:
         return
     start = tensor.data_ptr() // _PAGE * _PAGE
     _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start), _MADV_WILLNEED)
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s pages from the page cache now, where it lies in a file mapping no other process
+    maps (a no-op where the kernel cannot). The kernel drops whole folios (a file's pages may be cached in
+    folios of up to 2 MiB): the edges of a range that splits one stay."""
+    if _libc is None or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr() // _PAGE * _PAGE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start), _MADV_PAGEOUT)
+
+
+def groups_kept_cached(sizes: list[int], room: int) -> list[bool]:
+    """Which of the groups kept in place (their bytes, in the order a step gathers them) should stay in a page
+    cache with ``room`` bytes for them; the others' pages are released after each gather (``release_pages``).
+
+    A step reads the groups in a cycle. Where they are more than the cache holds, the kernel's LRU drops
+    each page shortly before it is read again, and every step reads all of them from the disk; keeping the
+    first groups that fit and releasing the others reads only the others again.
+    """
+    kept, used = [], 0
+    for size in sizes:
+        kept.append(used + size <= room)
+        used += size if kept[-1] else 0
+    return kept
 
 
 def uncached_bytes(tensor: torch.Tensor) -> int | None:
