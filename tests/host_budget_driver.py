@@ -11,7 +11,12 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 - ``latent``: where to save the sampled latent (``torch.save``);
 - ``steps`` (optional, 3 by default): the sampling steps;
 - ``evict`` (optional): ``drop_caches`` or ``fadvise``, to make the page cache cold for the model file
-  right before sampling (:func:`evict_page_cache`).
+  right before sampling (:func:`evict_page_cache`);
+- ``box`` (optional): a memory cgroup (v1) the process enters once loaded, made by the caller with its
+  limit: the page cache it reads while sampling and the anonymous memory it adds are held to that, as on
+  a machine with that much RAM free (:func:`enter_box`);
+- ``keep_cached_bytes`` (optional): the page cache the groups kept in place may hold; the pages of those
+  past it (``hostmem.groups_kept_cached``) are released after each of their forwards.
 
 It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
 file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
@@ -19,7 +24,9 @@ ComfyUI's own load is done, ``loaded``, ``sampled``) with its peak since the mar
 diffusion-model call (one a step) the handle's ``stats()`` after it (``calls``), its wall time
 (``call_seconds``) and the bytes the process read from storage meanwhile (``call_read_bytes``, from
 ``/proc/self/io``: every thread, the kernel's read-ahead included); how much of the model file the page
-cache held as sampling started (``page_cache``); the ComfyUI and torch versions.
+cache held as sampling started (``page_cache``); in a box, its ``memory.stat`` after each call
+(``box_stats``: ``total_cache``, ``total_rss``, in bytes) and its peak (``box_peak_bytes``); the bytes of
+each group kept in place (``in_place_group_bytes``); the ComfyUI and torch versions.
 """
 from __future__ import annotations
 
@@ -108,11 +115,12 @@ class ModelCalls:
     its wall time, the bytes read from storage during it, and the handle's ``stats()`` after it (``{}`` for a
     model without offloading)."""
 
-    def __init__(self, model, offloaded: bool) -> None:
+    def __init__(self, model, offloaded: bool, box: Path | None = None) -> None:
         self.stats: list[dict[str, Any]] = []
         self.seconds: list[float] = []
         self.read_bytes: list[int] = []
-        self._model, self._offloaded = model, offloaded
+        self.box_stats: list[dict[str, int]] = []
+        self._model, self._offloaded, self._box = model, offloaded, box
         self._entered = (0.0, 0)
         model.model.diffusion_model.register_forward_pre_hook(self._enter)
         model.model.diffusion_model.register_forward_hook(self._exit)
@@ -125,6 +133,8 @@ class ModelCalls:
         self.seconds.append(time.perf_counter() - started)
         self.read_bytes.append(io_read_bytes() - read_before)
         self.stats.append(offload_handle(self._model).stats() if self._offloaded else {})
+        if self._box is not None:
+            self.box_stats.append(box_stats(self._box))
 
 
 def evict_page_cache(path: Path, method: str) -> None:
@@ -146,6 +156,34 @@ def evict_page_cache(path: Path, method: str) -> None:
         raise ValueError(f"evict must be drop_caches or fadvise, not {method!r}")
 
 
+def enter_box(cgroup: Path) -> None:
+    """Move this process into the memory cgroup ``cgroup``: what it charges from now on counts against its limit
+    (memory charged before stays where it was)."""
+    (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def box_stats(cgroup: Path) -> dict[str, int]:
+    """The box's page cache and anonymous memory now (``memory.stat``)."""
+    fields = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+    return {name: int(fields[name]) for name in ("total_cache", "total_rss")}
+
+
+def keep_part_cached(model, room: int) -> None:
+    """Release the page cache of the groups kept in place past ``room`` after each of their forwards."""
+    hostmem = pack_module("offload_core.hostmem")
+
+    def releasing(views: list[torch.Tensor]):
+        def release(*_: Any) -> None:
+            for view in views:
+                hostmem.release_pages(view)
+        return release
+
+    in_place = [group for group in offload_handle(model).groups if not group.mirror.packed]
+    for group, kept in zip(in_place, hostmem.groups_kept_cached([group.nbytes for group in in_place], room)):
+        if not kept:
+            group.blocks[-1].register_forward_hook(releasing(group.mirror.views))
+
+
 def page_cache(path: Path) -> dict[str, int]:
     """The file's size and how many of its bytes the page cache holds (mincore)."""
     hostmem = pack_module("offload_core.hostmem")
@@ -163,9 +201,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         anon.mark("before")
         model = load(spec, anon)
         anon.mark("loaded")
-        calls = ModelCalls(model, offloaded=spec["via"] != "plain")
+        box = Path(spec["box"]) if "box" in spec else None
+        calls = ModelCalls(model, offloaded=spec["via"] != "plain", box=box)
+        if "keep_cached_bytes" in spec:
+            keep_part_cached(model, spec["keep_cached_bytes"])
         if "evict" in spec:
             evict_page_cache(model_file, spec["evict"])
+        if box is not None:
+            enter_box(box)
         cached = page_cache(model_file)
         latent = run_txt2img(model, seed=SEED, steps=spec.get("steps", STEPS)).latent
         anon.mark("sampled")
@@ -176,6 +219,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "call_seconds": calls.seconds,
         "call_read_bytes": calls.read_bytes,
         "page_cache": cached,
+        "in_place_group_bytes": [] if spec["via"] == "plain" else
+        [group.nbytes for group in offload_handle(model).groups if not group.mirror.packed],
+        **({"box_stats": calls.box_stats, "box_peak_bytes": int((box / "memory.max_usage_in_bytes").read_text())}
+           if box is not None else {}),
         "versions": {"comfyui": comfyui_version(), "torch": torch.__version__},
     }
 
