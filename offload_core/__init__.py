@@ -1,7 +1,8 @@
 """Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
 from .backoff import OutOfMemoryAfterBackOff, call_backing_off
-from .engine import GroupOffloadHandle, OffloadConfig, apply_group_offload, handle_of
+from .engine import GroupOffloadHandle, apply_group_offload, handle_of
 from .group import check_offloadable, split_into_groups
+from .grouping import OffloadConfig
 from .hostmem import FileMappings, SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency

@@ -11,12 +11,27 @@ import logging
 import time
 from typing import Callable
 
+import torch
+
 from .group import ModuleGroup
-from .mirror import Pinner
+from .mirror import CudaHostRegister, Pinner
 from .runtime import Runtime
 from .staging import StagingRing
 
 log = logging.getLogger(__name__)
+
+
+def choose_pinner(pin_memory: bool, pinner: Pinner | None, device: torch.device, runtime: Runtime | None) -> Pinner | None:
+    """A given pinner decides for itself (it may know a host whose onload device is not CUDA);
+    the default one pins only for a CUDA onload device (a ``runtime``)."""
+    if not pin_memory:
+        return None
+    if pinner is not None:
+        return pinner
+    if runtime is None:
+        log.info("pin_memory ignored: the onload device %s is not a CUDA device", device)
+        return None
+    return CudaHostRegister(device)
 
 
 class HostPins:

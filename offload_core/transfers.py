@@ -1,0 +1,213 @@
+"""The transfers: how a group's bytes reach its device buffer, and how the streams wait for them.
+
+A group is copied into a slab (a streamed group) or a buffer of its own (a resident one), and the onload
+patch rewrites its patched weights there. Three routes, by where the bytes come from:
+
+- the device is the host: a plain copy, there and then;
+- a pinned packed mirror: one copy on the copy stream, in the host thread's own time (it does not block);
+- a group kept in place, or a packed mirror pinning refused (``staged``): the gather worker copies its
+  bytes into a buffer of the staging ring and queues the copy from there on the copy stream
+  (``staging.py``); the group's ``pending`` future yields the ``ready`` event once the worker queued it.
+
+Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
+proves it on every test run):
+
+- ``group.ready``  recorded on the copy stream after the copy into the slab (and the patch after it);
+  the compute stream waits on it before the group runs (``wait_for``);
+- a slab's "released" event  recorded on the compute stream when the group that read the slab has
+  run (``SlabPool.release``); the copy stream waits on it before it overwrites the slab (``take``);
+- fresh device memory  comes from the compute stream's pool of the caching allocator, where
+  queued kernels may still read it: the copy stream waits for the compute stream (``wait_stream``)
+  before its first copy into it (``SlabPool.allocate``);
+- dropping device memory  the compute stream waits for the copy stream first, so the allocator
+  reuses it only after the copies into it (``finish_copies``); unpinning a mirror waits for the copy
+  stream on the host (``drain_copies``, the pins' drain).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable
+
+import torch
+
+from .group import ModuleGroup
+from .ledger import TransferLedger
+from .mirror import Pinner
+from .onload_patch import OnloadPatch, PatchTarget
+from .pinning import HostPins
+from .runtime import Runtime
+from .slabs import SlabPool
+from .staging import StagingRing
+
+log = logging.getLogger(__name__)
+
+
+class Transfers:
+    """The copies of one handle's groups onto ``device``: its copy stream, slabs, pins and staging ring."""
+
+    def __init__(self, groups: list[ModuleGroup], device: torch.device, runtime: Runtime | None,
+                 pinner: Pinner | None, patch: OnloadPatch) -> None:
+        self.ledger = TransferLedger()
+        self.runtime = runtime  # None: the device is the host, copies are synchronous
+        self.copy_stream = runtime.new_stream() if runtime is not None else None
+        self._groups = groups
+        self._patch = patch
+        self._inference = any(g.inference for g in groups)  # the kind of device buffers to make
+        self.slabs = SlabPool(device, runtime, self.copy_stream, self._inference)
+        self.pins = HostPins(groups, pinner, runtime, None if runtime is None else _drain_without_holding(self))
+
+    # --- onload --------------------------------------------------------------------------------
+
+    def onload(self, group: ModuleGroup, prefetched: bool, upcoming: list[ModuleGroup]) -> None:
+        """Start copying ``group`` into a device buffer and point its modules there (the compute waits
+        for it in ``wait_for``). ``upcoming``: the groups that stream after it, for the disk to read
+        ahead while it is gathered. A streamed group takes a free slab: the caller has made one free."""
+        slab = self.slabs.allocate(group.nbytes) if group.resident else self.slabs.take()
+        try:
+            if self.runtime is None:
+                self._copy_into(group, slab, non_blocking=False)
+            elif self.staged(group):
+                self._submit_staged_copy(group, slab)
+                self._read_ahead(upcoming)
+            else:
+                with self.runtime.use_stream(self.copy_stream):
+                    self._copy_into(group, slab, non_blocking=True)
+                    group.ready = self.runtime.new_event()
+                    group.ready.record(self.copy_stream)
+        except BaseException:
+            self._abandon_onload(group, slab)
+            raise
+        self.ledger.onloads += 1
+        if prefetched:
+            self.ledger.prefetches += 1
+        else:
+            self.ledger.sync_onloads += 1
+
+    def staged(self, group: ModuleGroup) -> bool:
+        """Whether ``group`` reaches the device through the staging ring: kept in place, or streamed from a
+        packed mirror pinning refused."""
+        return self.pins.staging is not None and (not group.mirror.packed or not group.resident and not group.mirror.pinned)
+
+    def blocks_the_host(self, group: ModuleGroup) -> bool:
+        """Whether copying ``group`` holds the host thread until the copy is done (from pageable memory)."""
+        return self.runtime is not None and not group.mirror.pinned and not self.staged(group)
+
+    def _abandon_onload(self, group: ModuleGroup, slab: torch.Tensor) -> None:
+        """A failed onload (its patch raised, say): the group computes from its mirror again."""
+        self.finish_copies()  # the slab may be reused or freed only after the copy into it
+        group.offload_()
+        if not group.resident:
+            self.slabs.put_back(slab)
+
+    def _read_ahead(self, upcoming: list[ModuleGroup]) -> None:
+        """The disk reads the groups kept in place among ``upcoming`` while the worker gathers."""
+        for group in upcoming:
+            if not group.mirror.packed and not group.onloaded:
+                group.mirror.read_ahead()
+
+    def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
+        """Copy the group into ``slab`` and point its modules there: with the device on the host, or from a
+        packed mirror (in the copy stream's context on a CUDA device)."""
+        with self._inference_mode():
+            started = time.perf_counter()
+            from_disk = group.fill(slab, non_blocking)
+            if not group.mirror.packed:
+                self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+            group.show(slab)
+            self._patch.apply(self._patch.targets(group))
+        self.ledger.record_copy(group.nbytes)
+
+    def _submit_staged_copy(self, group: ModuleGroup, slab: torch.Tensor) -> None:
+        """Hand ``group`` to the gather worker; the modules see the slab now, the compute waits for
+        ``ready`` before it runs."""
+        group.show(slab)
+        ring = self.pins.staging
+        job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch.targets(group))
+        group.pending = self.runtime.submit(job)
+        self.ledger.staged_copies += 1
+        self.ledger.record_copy(group.nbytes)
+
+    def _staged_copy(self, group: ModuleGroup, slab: torch.Tensor, ring: StagingRing, index: int,
+                     patch_targets: list[PatchTarget]) -> object:
+        """The gather worker's job: ``group``'s bytes into ``ring``'s buffer ``index``, then queued to ``slab``
+        on the copy stream with the patch after them; returns the event the copies are done at."""
+        with self._inference_mode(), self.runtime.use_stream(self.copy_stream):
+            started = time.perf_counter()
+            staged, from_disk = ring.stage(index, group)
+            if not group.mirror.packed:
+                self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+            group.fill(slab, non_blocking=True, source=staged)
+            ring.sent(index, self.copy_stream)
+            self._patch.apply(patch_targets)
+            ready = self.runtime.new_event()
+            ready.record(self.copy_stream)
+        return ready
+
+    def _inference_mode(self) -> AbstractContextManager:
+        """Inference tensors (see ``ModuleGroup``) are written only under inference mode (a thread's own)."""
+        return torch.inference_mode() if self._inference and not torch.is_inference_mode_enabled() else nullcontext()
+
+    # --- waits ---------------------------------------------------------------------------------
+
+    def take_ready(self, group: ModuleGroup, raising: bool = True) -> None:
+        """The ready event of ``group``'s staged copy, once the worker has queued it."""
+        pending, group.pending = group.pending, None
+        try:
+            group.ready = self.runtime.wait(pending)
+        except Exception:
+            if raising:
+                raise
+            log.debug("a staged copy failed; its group is dropped from the device", exc_info=True)
+
+    def wait_for(self, group: ModuleGroup) -> None:
+        """The compute stream waits for the copy into ``group``'s slab (its worker job queued already)."""
+        stream = self.runtime.current_stream()
+        start, end = self.runtime.new_event(enable_timing=True), self.runtime.new_event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(group.ready)
+        end.record(stream)
+        self.ledger.record_wait(start, end)
+        group.ready = None
+
+    def offload(self, group: ModuleGroup) -> None:
+        """Point ``group`` back at its mirror and free its slab once the compute that read it has run."""
+        if group.pending is not None:  # a copy into the slab yet to be queued must come before the next one
+            self.take_ready(group, raising=False)
+        self.slabs.release(group.offload_())  # its "released" event: recorded on the compute stream
+
+    def finish_copies(self) -> None:
+        """Device buffers may be dropped only once the copies into them are done."""
+        if self.runtime is not None:
+            self.queue_staged_copies()
+            self.runtime.current_stream().wait_stream(self.copy_stream)
+
+    def drain_copies(self) -> None:
+        """The host waits until every copy queued or to be queued has run (before host memory is unpinned)."""
+        self.queue_staged_copies()
+        self.copy_stream.synchronize()
+
+    def queue_staged_copies(self) -> None:
+        """Wait until the gather worker has queued every staged copy it was given."""
+        for group in self._groups:
+            if group.pending is not None:
+                self.take_ready(group, raising=False)
+
+
+def _drain_without_holding(transfers: Transfers) -> Callable[[], None]:
+    """``transfers``' drain for the pinned buffers' finalizers, which must not keep it (nor, through its
+    groups' blocks, the handle) alive: once it is gone, no staged copy is left to queue, and its copy
+    stream is all there is to wait for."""
+    transfers_ref, copy_stream = weakref.ref(transfers), transfers.copy_stream
+
+    def drain() -> None:
+        alive = transfers_ref()
+        if alive is None:
+            copy_stream.synchronize()
+        else:
+            alive.drain_copies()
+
+    return drain
