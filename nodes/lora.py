@@ -1,5 +1,10 @@
 """LoRA (any ComfyUI weight patch) on the blocks, computed on the device into each fresh copy: the host
-mirrors stay pristine, so one packed model serves every clone whatever its patches."""
+mirrors stay pristine, so one packed model serves every clone whatever its patches.
+
+A weight whose bytes are not its values (a plain tensor subclass over integer storage: ComfyUI-GGUF's
+quantized ``GGMLTensor``) cannot be patched by computing on them. The model's own patcher patches it
+its own way (``patch_encoded``), once per load: ComfyUI-GGUF's hangs the patches on the weight, and its
+layers add them as they dequantize, wherever its bytes lie."""
 from __future__ import annotations
 
 import copy
@@ -14,8 +19,10 @@ import comfy.lora
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
-from comfy.model_patcher import get_key_weight
+from comfy.model_patcher import ModelPatcher, get_key_weight
 from comfy.weight_adapter import WeightAdapterBase
+
+from ..offload_core import plain_subclass
 
 # Newest ComfyUI computes LoRA in a per-device dtype (fp16 where it is fast); 0.3.75 in float32.
 _lora_dtype: Callable[[torch.device], torch.dtype] = getattr(mm, "lora_compute_dtype", lambda device: torch.float32)
@@ -53,8 +60,11 @@ class BlockPatches:
 
     def __init__(self, model: nn.Module, patches: dict[str, list], device: torch.device) -> None:
         self._model = weakref.ref(model)  # the handle lives on the model: no reference cycle through it
-        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items()}
-        self.device_bytes = self.device_bytes_for(model, self._patches, device)
+        #: the patched weights whose bytes are not their values: the model's own patcher patches them
+        self.encoded = [key for key in patches if _encoded(comfy.utils.get_attr(model, key))]
+        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items()
+                         if key not in self.encoded}
+        self.device_bytes = self.device_bytes_for(model, patches, device)
 
     @staticmethod
     def device_bytes_for(model: nn.Module, patches: dict[str, list], device: torch.device) -> int:
@@ -83,3 +93,22 @@ class BlockPatches:
         if set_func is not None:  # its layer's own way back (a quantized weight: quantized again)
             return set_func(out, inplace_update=False, seed=seed, return_weight=True)
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=seed)
+
+
+def _encoded(weight: torch.Tensor) -> bool:
+    return plain_subclass(weight) is not None and not weight.dtype.is_floating_point
+
+
+def patch_encoded(patcher: ModelPatcher, keys: list[str]) -> None:
+    """Have the model's own patcher patch ``keys``, weights whose bytes are not their values, its own way;
+    each must stay the object it was (the handle re-points its bytes at every layout)."""
+    own_way = type(patcher).patch_weight_to_device is not ModelPatcher.patch_weight_to_device
+    for key in keys:
+        weight = comfy.utils.get_attr(patcher.model, key)
+        if own_way:
+            patcher.patch_weight_to_device(key, device_to=weight.device)
+        if not own_way or comfy.utils.get_attr(patcher.model, key) is not weight:
+            raise ValueError(f"Group Offload cannot apply this LoRA to {key}: its weight is a {type(weight).__name__}, "
+                             f"whose bytes are not its values, and the model's patcher ({type(patcher).__name__}) "
+                             f"does not patch such a weight in place; load the model with the loader made for its "
+                             f"format")

@@ -45,10 +45,10 @@ import comfy.model_management as mm
 import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
-from ..offload_core import GroupOffloadHandle, UnpackableTensorError, check_offloadable, handle_of
+from ..offload_core import GroupOffloadHandle, check_offloadable, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks
 from .handles import build_handle, built_for, mark_run_started, own_handle, remove_handle, warn_if_unpinned
-from .lora import BlockPatches
+from .lora import BlockPatches, patch_encoded
 from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
 from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
@@ -71,7 +71,8 @@ def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
 
 
 class GroupOffloadPatcher(ModelPatcher):
-    """A ModelPatcher whose blocks a ``GroupOffloadHandle`` streams. Its overrides of ComfyUI's, and what each protects:
+    """A ModelPatcher whose blocks a ``GroupOffloadHandle`` streams; in front of a loader's own patcher class, if
+    any (``_offload_class``). Its overrides of ComfyUI's, and what each protects:
 
     - ``clone``               the settings and the handle's ownership go to every clone; a deep copy only
                               where the loader can load the model again;
@@ -93,6 +94,7 @@ class GroupOffloadPatcher(ModelPatcher):
             raise ValueError("This offloaded model cannot be deep-copied: the loader that made it cannot load it "
                              "again; load it with Load Diffusion Model or Load Diffusion Model (Group Offload)")
         clone = super().clone(*args, **kwargs)
+        clone.__class__ = type(self)  # (the loader's patcher behind this class may clone as its own: ComfyUI-GGUF's does)
         clone.offload_settings = self.offload_settings
         own_handle(clone)
         return clone
@@ -126,6 +128,7 @@ class GroupOffloadPatcher(ModelPatcher):
         handle.set_resident_bytes(plan.resident_bytes)
         warn_if_unpinned(handle)
         handle.set_onload_patch(patches, patches.keys(), device_bytes=patches.device_bytes)
+        patch_encoded(self, patches.encoded)
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
@@ -290,15 +293,20 @@ def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
     return clone
 
 
-def _check_offloadable(blocks: list[nn.Module]) -> None:
-    try:
-        check_offloadable(blocks)
-    except UnpackableTensorError as error:
-        if error.tensor_type.__name__ != "GGMLTensor":
-            raise
-        raise ValueError("Group Offload cannot stream GGUF models: ComfyUI-GGUF keeps their weights as GGMLTensor, "
-                         "which cannot be rebuilt from packed bytes; use the model's safetensors file (fp8_scaled, "
-                         "fp8mixed, bf16...) with Load Diffusion Model (Group Offload)") from error
+# The input patcher's class -> GroupOffloadPatcher in front of it.
+_OFFLOAD_CLASSES: dict[type, type] = {ModelPatcher: GroupOffloadPatcher}
+
+
+def _offload_class(patcher_class: type) -> type:
+    """GroupOffloadPatcher in front of the input patcher's own class, so that a loader's patcher keeps doing
+    its own way what the offloading leaves to it (ComfyUI-GGUF's patches and unpatches its quantized weights,
+    and clones its options)."""
+    if issubclass(patcher_class, GroupOffloadPatcher):
+        return patcher_class
+    if patcher_class not in _OFFLOAD_CLASSES:
+        _OFFLOAD_CLASSES[patcher_class] = type(f"GroupOffload{patcher_class.__name__}",
+                                               (GroupOffloadPatcher, patcher_class), {"__module__": __name__})
+    return _OFFLOAD_CLASSES[patcher_class]
 
 
 _WRAPPER_KEY = "group_offload"
@@ -309,9 +317,9 @@ _WRAPPERS = {comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING: plan_for_the_r
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
-    _check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
+    check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
-    clone.__class__ = GroupOffloadPatcher
+    clone.__class__ = _offload_class(type(clone))
     clone.offload_settings = settings
     clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     own_handle(clone)

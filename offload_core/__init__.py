@@ -6,7 +6,7 @@ from .grouping import OffloadConfig
 from .hostmem import FileMappings, SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
-from .subclass import UnpackableTensorError, flatten, packed_nbytes
+from .subclass import UnpackableTensorError, flatten, packed_nbytes, plain_subclass
 
 __all__ = [
     "CudaHostRegister",
@@ -27,6 +27,7 @@ __all__ = [
     "handle_of",
     "map_file",
     "packed_nbytes",
+    "plain_subclass",
     "plan_residency",
     "split_into_groups",
 ]

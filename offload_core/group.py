@@ -15,7 +15,7 @@ from torch import nn
 
 from .hostmem import FileMappings, SourceFiles
 from .mirror import CopyFn, HostMirror, InPlaceMirror, Pinner, pack_layout, packed_buffer, segment_views
-from .subclass import Flattened, first_inner, flatten, is_wrapper, require_packable
+from .subclass import Attributed, Flattened, first_inner, flatten, is_wrapper, require_packable
 
 #: Writes a tensor's weights into its host-mirror copy (the loader reads a file straight in); a
 #: wrapper subclass comes rebuilt over its mirror views, so that writing its inner tensors fills them.
@@ -59,7 +59,7 @@ class _Binding:
 
 
 class _WrapperBinding(_Binding):
-    """A wrapper subclass (a quantized weight): rebuilt per layout from its inner views.
+    """A wrapper subclass (a quantized weight), or a buffer of a plain subclass: rebuilt per layout from its views.
 
     A Parameter keeps its identity: its content is exchanged (as ``torch.utils.swap_tensors`` does,
     see ``show``) with a tensor rebuilt for the wanted layout, which then holds the layout shown
@@ -69,7 +69,8 @@ class _WrapperBinding(_Binding):
 
     __slots__ = ("flat", "inference", "_held", "_shown", "_lean")
 
-    def __init__(self, qualname: str, param: nn.Parameter | None, flat: Flattened, inference: bool) -> None:
+    def __init__(self, qualname: str, param: nn.Parameter | None, flat: Flattened | Attributed,
+                 inference: bool) -> None:
         super().__init__(qualname, param)
         self.flat = flat
         self.inference = inference
@@ -206,7 +207,9 @@ class ModuleGroup:
         self.bindings: list[_Binding] = []
         for (qualname, tensor, is_param, slots), (flat, tensors) in zip(found, flattened):
             param = tensor if is_param else None
-            binding = _Binding(qualname, param) if flat is None else _WrapperBinding(qualname, param, flat, self.inference)
+            # A Parameter of a plain subclass keeps its object (and its attributes): only its bytes are re-pointed.
+            repointed = flat is None or (param is not None and isinstance(flat, Attributed))
+            binding = _Binding(qualname, param) if repointed else _WrapperBinding(qualname, param, flat, self.inference)
             binding.buffer_slots = slots
             binding.first = self.bindings[-1].last if self.bindings else 0
             binding.last = binding.first + len(tensors)

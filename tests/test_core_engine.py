@@ -317,6 +317,7 @@ def test_tensor_subclasses_are_refused_by_name():
     _, offloaded, _ = make_pair("cpu")
     weight = offloaded.blocks[1].attn.weight
     offloaded.blocks[1].attn.weight = nn.Parameter(weight.detach().as_subclass(WrappedTensor), requires_grad=False)
+    offloaded.blocks[1].attn.weight.scale = torch.ones(1)  # (what its bytes do not carry)
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.weight is a WrappedTensor"):
         apply_group_offload(offloaded, offloaded.blocks, "cpu")
     assert handle_of(offloaded.blocks[0]) is None, "nothing half-applied"

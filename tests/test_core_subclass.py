@@ -1,5 +1,6 @@
-"""Wrapper tensor subclasses (quantized weights) in the engine: packed as their inner tensors, the
-Parameter objects kept, nothing dequantized or cloned, outputs bit-identical, streams ordered."""
+"""Tensor subclasses in the engine: wrapper subclasses (quantized weights) packed as their inner tensors,
+plain subclasses (as ComfyUI-GGUF's) as their bytes with their attributes; the Parameter objects kept,
+nothing dequantized or cloned, outputs bit-identical, streams ordered; any other subclass refused."""
 from __future__ import annotations
 
 from typing import Callable
@@ -193,22 +194,144 @@ def test_quantized_buffers_are_rebuilt_too(checker):
     assert handle.stats()["host_bytes"] > 0
 
 
-class PlainSubclass(torch.Tensor):
-    """A subclass whose meaning lives outside its bytes (as ComfyUI-GGUF's GGMLTensor): not rebuildable."""
+class EncodedWeight(torch.Tensor):
+    """As ComfyUI-GGUF's GGMLTensor: raw ``uint8`` bytes in its own storage; what they mean (the shape they
+    encode, the patches to add once decoded) lives in its attributes; ``.shape`` is the encoded one."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor_shape
 
 
-def test_other_subclasses_and_nested_wrappers_are_refused_by_name():
+class DecodingLinear(nn.Linear):
+    """A layer that decodes its weight at each forward, and adds the patches hung on it (as GGMLLayer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        decoded = w.as_subclass(torch.Tensor).view(torch.float32).view(w.tensor_shape).to(x.device)
+        return nn.functional.linear(x, decoded + sum(p.to(x.device) for p in w.patches), self.bias)
+
+
+def encode(linear: nn.Linear) -> DecodingLinear:
+    layer = DecodingLinear(linear.in_features, linear.out_features)
+    layer.load_state_dict(linear.state_dict())
+    with torch.inference_mode():
+        weight = nn.Parameter(linear.weight.detach().view(torch.uint8).as_subclass(EncodedWeight), requires_grad=False)
+    weight.tensor_shape, weight.patches = linear.weight.shape, []
+    layer.weight = weight
+    return layer
+
+
+def encoded_pair():
+    reference, offloaded, x = make_pair("cpu")
+    for model in (reference, offloaded):
+        for block in model.blocks:
+            block.attn = encode(block.attn)
+    return reference, offloaded, x
+
+
+@pytest.mark.parametrize("blocks_per_group,prefetch", [(1, 0), (1, 1), (2, 2)])
+def test_plain_subclass_weights_stream_as_their_bytes_and_keep_their_attributes(checker, blocks_per_group, prefetch):
+    reference, offloaded, x = encoded_pair()
+    weights = [block.attn.weight for block in offloaded.blocks]
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", blocks_per_group=blocks_per_group,
+                                 prefetch=prefetch, runtime=checker)
+    assert handle.stats()["host_bytes"] == sum(g.nbytes for g in handle.groups)
+    assert packed_nbytes(weights[0]) == 32 * 32 * 4, "its raw bytes, not its encoded shape"
+    seen = []
+
+    def record(module, args):
+        slab = handle.groups[1 // blocks_per_group].slab
+        seen.append((module.weight is weights[1], slab.data_ptr() <= module.weight.data_ptr() < slab.data_ptr()
+                     + slab.numel(), module.weight.shape, len(module.weight.patches)))
+
+    hook = offloaded.blocks[1].attn.register_forward_pre_hook(record)
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+        patch = torch.full((32, 32), 0.01)
+        for model in (reference, offloaded):
+            model.blocks[1].attn.weight.patches = [patch]  # as ComfyUI-GGUF's patcher hangs a LoRA, after packing
+        assert torch.equal(offloaded(x), reference(x)), "the patches set later travel with the weight"
+    assert seen == [(True, True, torch.Size([32, 32]), 0), (True, True, torch.Size([32, 32]), 1)]
+    assert all(block.attn.weight is w and type(w) is EncodedWeight for block, w in zip(offloaded.blocks, weights))
+    hook.remove()
+    handle.remove()
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x)), "after remove(), from the host mirrors"
+
+
+class Tagged(torch.Tensor):
+    """A plain subclass whose values are its bytes, with an attribute."""
+
+
+def test_plain_subclass_buffers_are_rebuilt_sharing_their_attributes(checker):
+    reference, offloaded, x = make_pair("cpu")
+    gate = offloaded.blocks[2].gate.as_subclass(Tagged)
+    gate.unit = "ratio"
+    offloaded.blocks[2].gate = gate
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=0, runtime=checker)
+    seen = []
+    block = offloaded.blocks[2]
+    block.norm.register_forward_pre_hook(  # (inside the block's forward, where the group is on the device)
+        lambda module, args: seen.append((type(block.gate), block.gate.__dict__ is gate.__dict__,
+                                          block.gate.untyped_storage().data_ptr() == handle.groups[2].slab.data_ptr())))
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    assert seen == [(Tagged, True, True)], "a view of the slab, of its class, with the same attributes"
+    assert type(offloaded.blocks[2].gate) is Tagged and offloaded.blocks[2].gate.unit == "ratio"
+
+
+class ScaledBytes(torch.Tensor):
+    """A plain subclass with a tensor among its attributes: its bytes alone do not say what it is."""
+
+
+class Slotted(torch.Tensor):
+    __slots__ = ("kind",)
+
+
+class Dispatching(torch.Tensor):
+    """A wrapper without the wrapper protocol: another tensor's bytes, its own dispatch."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+        tensor.elem = elem
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrapped = tree_map(lambda t: t.elem if isinstance(t, Dispatching) else t, (args, kwargs or {}))
+        return func(*unwrapped[0], **unwrapped[1])
+
+
+@pytest.mark.parametrize("cls,reason", [
+    (ScaledBytes, r"its attribute scale is a tensor"),
+    (Slotted, r"it keeps state in __slots__ \(kind\)"),
+], ids=["tensor_attribute", "slots"])
+def test_subclasses_not_rebuildable_from_bytes_and_attributes_are_refused_by_name(cls, reason):
     _, offloaded, _ = make_pair("cpu")
-    offloaded.blocks[1].attn.weight = nn.Parameter(offloaded.blocks[1].attn.weight.detach().as_subclass(PlainSubclass),
-                                                   requires_grad=False)
-    with pytest.raises(UnpackableTensorError, match=r"blocks\.1\.attn\.weight is a PlainSubclass") as refused:
+    weight = nn.Parameter(offloaded.blocks[1].attn.weight.detach().as_subclass(cls), requires_grad=False)
+    if cls is ScaledBytes:
+        weight.scale = torch.ones(1)
+    offloaded.blocks[1].attn.weight = weight
+    with pytest.raises(UnpackableTensorError, match=rf"blocks\.1\.attn\.weight is a {cls.__name__}, .*: {reason}") as refused:
         apply_group_offload(offloaded, offloaded.blocks, "cpu")
-    assert refused.value.tensor_type is PlainSubclass
+    assert refused.value.tensor_type is cls
+
+
+def test_a_subclass_with_its_own_dispatch_is_refused_by_name():
+    _, offloaded, _ = make_pair("cpu")
+    offloaded.blocks[1].gate = Dispatching(offloaded.blocks[1].gate)
+    with pytest.raises(UnpackableTensorError, match=r"blocks\.1\.gate is a Dispatching, .*: it runs its own __torch_dispatch__"):
+        apply_group_offload(offloaded, offloaded.blocks, "cpu")
+
+
+def test_wrappers_of_subclassed_inner_tensors_are_refused_by_name():
     _, offloaded, _ = make_pair("cpu")
     weight = ScaledInt8.quantize(offloaded.blocks[0].attn.weight.detach())
-    weight.scale = weight.scale.as_subclass(PlainSubclass)
+    weight.scale = weight.scale.as_subclass(Tagged)
     offloaded.blocks[0].attn.weight = nn.Parameter(weight, requires_grad=False)
-    with pytest.raises(UnpackableTensorError, match=r"blocks\.0\.attn\.weight \(its inner tensor scale\) is a PlainSubclass"):
+    with pytest.raises(UnpackableTensorError, match=r"blocks\.0\.attn\.weight \(its inner tensor scale\) is a Tagged"):
         apply_group_offload(offloaded, offloaded.blocks, "cpu")
 
 

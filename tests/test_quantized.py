@@ -170,15 +170,16 @@ def test_unloading_keeps_the_quantized_parameters(files, fmt):
     assert all(any(b.param is p for g in groups for b in g.bindings) for p in after.values())
 
 
-class GGMLTensor(torch.Tensor):
-    """What ComfyUI-GGUF's weights are to the handle: a plain tensor subclass, no wrapper protocol."""
+class ScaledBytes(torch.Tensor):
+    """A tensor subclass whose bytes do not say all it is (a scale beside them), without the wrapper protocol."""
 
 
-def test_gguf_weights_are_refused_naming_the_format(files):
+def test_a_subclass_not_rebuildable_from_its_bytes_is_refused_naming_it(files):
     plain = load_plain("float8_e4m3fn" if cpu_skip_reason("float8_e4m3fn") is None else "scaled_fp8")
     linear = plain.model.diffusion_model.transformer_blocks[0].img_mlp.net[2]
-    linear.bias = torch.nn.Parameter(linear.bias.detach().as_subclass(GGMLTensor), requires_grad=False)
-    with pytest.raises(ValueError, match="cannot stream GGUF models"):
+    linear.bias = torch.nn.Parameter(linear.bias.detach().as_subclass(ScaledBytes), requires_grad=False)
+    linear.bias.scale = torch.ones(1)
+    with pytest.raises(ValueError, match=r"img_mlp\.net\.2\.bias is a ScaledBytes, .*its attribute scale is a tensor"):
         offload(plain)
 
 

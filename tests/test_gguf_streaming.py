@@ -1,0 +1,184 @@
+"""ComfyUI-GGUF's models through the node, on real ComfyUI with ComfyUI-GGUF loaded: through KSampler the latent
+is bit-identical to the same GGUF model without the node (Qwen-Image, Flux and Wan 2.1 files holding every type
+ComfyUI-GGUF dequantizes); the weights stream as their GGUF bytes and stay ``GGMLTensor``s; a LoRA before and
+after the node is ComfyUI-GGUF's (hung on the quantized weights, added as they dequantize); the groups past a
+host budget are gathered from the ``.gguf`` file's pages, and a file changed under them fails the run clearly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gguf_files
+from comfy_boot import boot_comfyui_in_process
+from fixture_models import tiny_qwen_image_file
+from lora_fixture import make_lora
+from pack_modules import pack_module
+from run_nodes import make_test_conditioning, run_node
+from stand_ins import TEXT_WIDTHS
+
+pytestmark = pytest.mark.skipif(gguf_files.comfyui_gguf_missing() is not None,
+                                reason=str(gguf_files.comfyui_gguf_missing()))
+
+MODELS = ["qwen_image", "flux", "wan"]
+LORA = "tiny_qwen_gguf_lora.safetensors"
+STREAM_ALL = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
+SETTINGS = {
+    "stream_all_p0": {"prefetch": 0},
+    "stream_all_p1": {},
+    "stream_all_p2_bpg2": {"prefetch": 2, "blocks_per_group": 2},
+    "budget": {"residency": "budget", "resident_gb": 1e-5},
+    "auto": {"residency": "auto"},
+}
+
+
+def file_name(model: str) -> str:
+    return f"tiny_{model}_every_gguf_type.gguf"
+
+
+@pytest.fixture(scope="module")
+def gguf_models(comfy_models):
+    """ComfyUI-GGUF loaded; each tiny model as a GGUF file of every type, and a LoRA for the Qwen-Image one."""
+    gguf_files.load_comfyui_gguf(boot_comfyui_in_process())
+    folder = comfy_models.models_dir / "diffusion_models"
+    for model in MODELS:
+        gguf_files.write_tiny_gguf(folder / file_name(model), model, gguf_files.mixed_policy(gguf_files.COMFYUI_GGUF_TYPES))
+    make_lora(tiny_qwen_image_file(num_layers=4), comfy_models.models_dir / "loras" / LORA)
+    return folder
+
+
+def node(class_type: str, **inputs):
+    with torch.inference_mode():
+        return run_node(class_type, **inputs).outputs[0]
+
+
+def load_gguf(model: str, **advanced):
+    if advanced:
+        return node("UnetLoaderGGUFAdvanced", unet_name=file_name(model), **advanced)
+    return node("UnetLoaderGGUF", unet_name=file_name(model))
+
+
+def offload(model, **options):
+    return node("GroupOffload", model=model, **(STREAM_ALL | options))
+
+
+def offload_handle(model):
+    """The handle streaming ``model``'s blocks, whichever kind of model it is."""
+    blocks = pack_module("nodes.blocks").find_blocks(model.model.diffusion_model)
+    return pack_module("offload_core").handle_of(blocks[0])
+
+
+def with_lora(model, strength: float = 0.8):
+    return node("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=strength)
+
+
+def sample(model, kind: str, seed: int = 3) -> torch.Tensor:
+    """KSampler's latent, 2 steps at 64 px (one frame for Wan), with seeded conditionings of the model's text width."""
+    latent = (node("EmptyHunyuanLatentVideo", width=64, height=64, length=1, batch_size=1) if kind == "wan"
+              else node("EmptySD3LatentImage", width=64, height=64, batch_size=1))
+    width = TEXT_WIDTHS["wan_t2v" if kind == "wan" else kind]
+    samples = node("KSampler", model=model, seed=seed, steps=2, cfg=4.0, sampler_name="euler", scheduler="simple",
+                   positive=make_test_conditioning(1, joint_dim=width), negative=make_test_conditioning(2, joint_dim=width),
+                   latent_image=latent, denoise=1.0)
+    return samples["samples"]
+
+
+_EXPECTED: dict[tuple, torch.Tensor] = {}
+
+
+def expected(kind: str, lora: float | None = None, **advanced) -> torch.Tensor:
+    """The latent of the GGUF model without the node (with the LoRA at ``lora``), computed once."""
+    key = (kind, lora, tuple(sorted(advanced.items())))
+    if key not in _EXPECTED:
+        plain = load_gguf(kind, **advanced)
+        _EXPECTED[key] = sample(plain if lora is None else with_lora(plain, lora), kind)
+    return _EXPECTED[key]
+
+
+def test_the_files_hold_every_type_comfyui_gguf_dequantizes(gguf_models):
+    types = set(gguf_files.stored_types(gguf_models / file_name("qwen_image")).values())
+    assert types >= set(gguf_files.COMFYUI_GGUF_TYPES)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("kind", MODELS)
+def test_bit_identical_to_comfyui_gguf_streamed_as_the_gguf_bytes(gguf_models, kind, settings):
+    packed_nbytes = pack_module("offload_core").packed_nbytes
+    model = offload(load_gguf(kind), **SETTINGS[settings])
+    assert torch.equal(sample(model, kind), expected(kind))
+    assert torch.equal(sample(model, kind), expected(kind)), "and again, from the same host copies"
+    handle = offload_handle(model)
+    stored = {t.name: int(t.n_bytes) for t in gguf_files.gguf.GGUFReader(gguf_models / file_name(kind)).tensors}
+    quantized = [(b.qualname, b.current()) for g in handle.groups for b in g.bindings
+                 if type(b.current()).__name__ == "GGMLTensor"]
+    assert len(quantized) > len(handle.groups), "the blocks' weights are ComfyUI-GGUF's still"
+    for name, weight in quantized:
+        assert packed_nbytes(weight) == stored[name.removeprefix("diffusion_model.")], f"{name}: its GGUF bytes"
+        assert weight.tensor_type is not None and len(weight.shape) >= 1
+    stats = handle.stats()
+    if settings.startswith("stream_all"):
+        assert stats["streamed_bytes_per_pass"] == stats["host_bytes"] == sum(g.nbytes for g in handle.groups)
+
+
+def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change_reloads_nothing(gguf_models):
+    kind = "qwen_image"
+    plain = load_gguf(kind)
+    assert not torch.equal(expected(kind, 0.8), expected(kind)), "the LoRA changes the result"
+    assert torch.equal(sample(offload(with_lora(plain)), kind), expected(kind, 0.8)), "a LoRA before the node"
+    offloaded = offload(plain)
+    assert isinstance(offloaded, type(plain)), "ComfyUI-GGUF's patcher is still behind the node's"
+    after = with_lora(offloaded)
+    assert torch.equal(sample(after, kind), expected(kind, 0.8)), "a LoRA after the node"
+    handle = offload_handle(after)
+    mirrors = [g.mirror.buffer.data_ptr() for g in handle.groups]
+    assert torch.equal(sample(with_lora(offloaded, 0.4), kind), expected(kind, 0.4)), "another strength"
+    assert offload_handle(offloaded) is handle and [g.mirror.buffer.data_ptr() for g in handle.groups] == mirrors, \
+        "a strength change reloads nothing"
+    assert torch.equal(sample(offloaded, kind), expected(kind)), "without the LoRA, its patches are gone"
+    assert torch.equal(sample(after, kind), expected(kind, 0.8))
+
+
+@pytest.mark.parametrize("advanced", [
+    {"dequant_dtype": "float32", "patch_dtype": "float16", "patch_on_device": False},
+    {"dequant_dtype": "default", "patch_dtype": "target", "patch_on_device": True},
+], ids=["patch_dtype_float16", "patch_on_device"])
+def test_the_advanced_loaders_patch_options_hold_through_the_node(gguf_models, advanced):
+    kind = "qwen_image"
+    model = with_lora(offload(load_gguf(kind, **advanced)))
+    assert model.patch_on_device is advanced["patch_on_device"]
+    assert torch.equal(sample(model, kind), expected(kind, 0.8, **advanced))
+
+
+def test_groups_past_the_host_budget_are_gathered_from_the_gguf_files_pages(gguf_models):
+    kind = "flux"
+    packed = offload(load_gguf(kind), host_memory="auto")
+    assert torch.equal(sample(packed, kind), expected(kind))
+    block_bytes = offload_handle(packed).stats()["host_bytes"]
+    assert offload_handle(packed).stats()["in_place_bytes"] == 0, "auto: the RAM holds this tiny model whole"
+    del packed
+    for share in (0.0, 0.5):
+        host_gb = (pack_module("nodes.handles").packed_host_bytes() + share * block_bytes) / 1024**3
+        model = offload(load_gguf(kind), host_memory="budget", host_gb=host_gb)
+        assert torch.equal(sample(model, kind), expected(kind))
+        stats = offload_handle(model).stats()
+        assert stats["in_place_bytes"] == block_bytes - stats["packed_bytes"] > 0
+        assert (stats["packed_bytes"] > 0) is (share > 0)
+        assert stats["file_backed_bytes"] > 0.9 * stats["in_place_bytes"], "views of the .gguf file's mapping"
+        assert stats["gathered_bytes"] > 0
+
+
+def test_a_gguf_file_changed_under_the_mapped_model_fails_the_run_clearly(gguf_models):
+    source_changed = pack_module("offload_core").SourceChangedError
+    path = gguf_models / "changed_under_the_model.gguf"
+    path.write_bytes((gguf_models / file_name("qwen_image")).read_bytes())
+    original = path.read_bytes()
+    model = offload(node("UnetLoaderGGUF", unet_name=path.name), host_memory="budget", host_gb=0.0)
+    assert torch.equal(sample(model, "qwen_image"), expected("qwen_image"))
+    with open(path, "r+b") as file:
+        file.truncate(len(original) // 2)
+    try:
+        with pytest.raises(source_changed, match=r"changed_under_the_model\.gguf is now"):
+            sample(model, "qwen_image")
+    finally:
+        with open(path, "r+b") as file:
+            file.write(original)
+    assert torch.equal(sample(model, "qwen_image"), expected("qwen_image")), "the model runs again once restored"
