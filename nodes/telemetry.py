@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..offload_core import GroupOffloadHandle
+from ..offload_core import GroupOffloadHandle, packed_nbytes
 
 EVENT = "group_offload.telemetry"
 MAX_MESSAGES_PER_SECOND = 4
@@ -38,6 +38,7 @@ class RunTelemetry:
     handle: GroupOffloadHandle
     node_id: str | None
     cpu_only: bool
+    formats: list[tuple[str, int]] = field(default_factory=list)
     steps: list[StepSample] = field(default_factory=list)
     # (perf_counter, ledger bytes_h2d, ledger gathered_bytes) where the open step began: the run's start, then
     # the previous step's end.
@@ -60,13 +61,14 @@ class RunTelemetry:
         return payload
 
     def payload(self, final: bool) -> dict[str, Any]:
-        return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final)
+        return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final, self.formats)
 
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
-                      cpu_only: bool, final: bool) -> dict[str, Any]:
-    """The message the front end draws: the handle's figures plus the per-step streamed GB/s; and, when groups
-    are left in place, where their host copies are and how fast they were gathered."""
+                      cpu_only: bool, final: bool, formats: list[tuple[str, int]] = ()) -> dict[str, Any]:
+    """The message the front end draws: the handle's figures plus the per-step streamed GB/s; the quantized
+    formats the blocks are stored in (``quantized_formats``); and, when groups are left in place, where their
+    host copies are and how fast they were gathered."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
     gathered = sum(s.gathered_bytes for s in steps)
@@ -90,6 +92,7 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "sync_onloads": stats["sync_onloads"],
         "compute_wait_ms": stats["compute_wait_ms"],
         "hook_us_per_group": stats["hook_us_per_group"],
+        "formats": [list(item) for item in formats],
         "steps": len(steps),
         "bytes_per_step": streamed / len(steps) if steps else 0.0,
         "h2d_gbps": streamed / seconds / 1e9 if seconds > 0 else 0.0,
@@ -102,6 +105,25 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "gathered_bytes_per_step": gathered / len(steps) if steps else 0.0,
         "gather_gbps": stats["gathered_bytes"] / stats["gather_seconds"] / 1e9 if stats["gather_seconds"] > 0 else 0.0,
     }
+
+
+def quantized_formats(handle: GroupOffloadHandle) -> list[tuple[str, int]]:
+    """The blocks' bytes by the quantized format they are stored in, largest first: a GGUF type (ComfyUI-GGUF's
+    ``tensor_type``, ``GGUF Q4_K``) or a quantized tensor's layout; plain tensors are not listed."""
+    totals: dict[str, int] = {}
+    for tensor in (binding.current() for group in handle.groups for binding in group.bindings):
+        name = _quantized_format(tensor)
+        if name is not None:
+            totals[name] = totals.get(name, 0) + packed_nbytes(tensor)
+    return sorted(totals.items(), key=lambda item: -item[1])
+
+
+def _quantized_format(tensor: torch.Tensor) -> str | None:
+    gguf_type = getattr(tensor, "tensor_type", None)
+    if gguf_type is not None:
+        return f"GGUF {getattr(gguf_type, 'name', gguf_type)}"
+    layout = getattr(tensor, "_layout_cls", None) or getattr(tensor, "_layout_type", None)
+    return None if layout is None else str(getattr(layout, "__name__", layout))
 
 
 def send(payload: dict[str, Any]) -> None:
@@ -122,7 +144,7 @@ _LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.Weak
 def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool) -> None:
     finish_run(diffusion_model)
     handle.reset_stats()
-    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only)
+    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle))
 
 
 def step_done(diffusion_model: nn.Module) -> None:

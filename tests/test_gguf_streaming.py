@@ -182,3 +182,18 @@ def test_a_gguf_file_changed_under_the_mapped_model_fails_the_run_clearly(gguf_m
         with open(path, "r+b") as file:
             file.write(original)
     assert torch.equal(sample(model, "qwen_image"), expected("qwen_image")), "the model runs again once restored"
+
+
+def test_the_readout_names_the_gguf_types_and_counts_the_gguf_bytes_per_step(gguf_models):
+    kind = "qwen_image"
+    model = offload(load_gguf(kind), prefetch=0)  # (no group copied ahead past the last step)
+    sample(model, kind)
+    run = pack_module("nodes.telemetry").last_run(model.model.diffusion_model)
+    reader = gguf_files.gguf.GGUFReader(gguf_models / file_name(kind))
+    in_blocks = {f"GGUF {gguf_files.QType(t.tensor_type).name}" for t in reader.tensors
+                 if t.name.startswith("transformer_blocks.")
+                 and not (t.tensor_type == gguf_files.QType.BF16 and len(t.shape) == 1)}  # (loaded as float32)
+    assert {name for name, _ in run["formats"]} == in_blocks
+    host_bytes = offload_handle(model).stats()["host_bytes"]
+    assert sum(nbytes for _, nbytes in run["formats"]) <= host_bytes, "their GGUF bytes"
+    assert run["bytes_per_step"] == run["streamed_bytes_per_pass"] == host_bytes, "one pass a step, at the GGUF size"

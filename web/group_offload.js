@@ -14,6 +14,7 @@ import {
   formatBytes,
   formatMs,
   formatRate,
+  formatShares,
   plural,
 } from "./group_offload_common.js";
 
@@ -100,6 +101,7 @@ function rows(stats) {
   return [
     ["Resident", `${stats.resident_groups} of ${plural(stats.groups, "group")} · ${formatBytes(stats.resident_bytes)}`],
     ["Streamed", `${plural(stats.streamed_groups, "group")} · ${formatBytes(stats.streamed_bytes_per_pass)} a pass`],
+    ...(stats.formats?.length ? [["Stored as", formatShares(stats.formats, 3)]] : []),
     pinnedRow(stats),
     ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["Per step", `${formatBytes(stats.bytes_per_step)} streamed`],

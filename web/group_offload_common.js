@@ -76,6 +76,14 @@ export function formatUs(us) {
   return us >= 999.5 ? formatMs(us / 1000) : `${threeDigits(us)} µs`;
 }
 
+/** The quantized formats the blocks are stored in, [[name, bytes], ...] largest first, as shares:
+ *  "GGUF Q4_K 71% · GGUF F32 29%"; past `limit` of them, how many more. */
+export function formatShares(formats, limit = Infinity) {
+  const total = formats.reduce((sum, [, bytes]) => sum + bytes, 0);
+  const shown = formats.slice(0, limit).map(([name, bytes]) => `${name} ${Math.round((100 * bytes) / total)}%`);
+  return formats.length > limit ? [...shown, `${formats.length - limit} more`].join(" · ") : shown.join(" · ");
+}
+
 export function plural(count, word) {
   return `${count} ${word}${count === 1 ? "" : "s"}`;
 }

@@ -10,6 +10,7 @@ import {
   formatBytes,
   formatMs,
   formatRate,
+  formatShares,
   formatUs,
   plural,
 } from "./group_offload_common.js";
@@ -58,6 +59,7 @@ function reportRows(stats) {
     ["groups", "Groups", `${stats.groups} (${stats.resident_groups} resident, ${stats.streamed_groups} streamed)`],
     ["resident_bytes", "Resident on the GPU", formatBytes(stats.resident_bytes)],
     ["streamed_bytes_per_pass", "Streamed per pass", formatBytes(stats.streamed_bytes_per_pass)],
+    ...(stats.formats?.length ? [["formats", "Blocks stored as", formatShares(stats.formats)]] : []),
     ["pinned_bytes", "Pinned host memory", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)}`],
     ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["bytes_per_step", "Streamed per step", formatBytes(stats.bytes_per_step)],
