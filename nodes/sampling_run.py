@@ -45,10 +45,19 @@ def plan_for_the_run(executor, patcher, noise_shape, conds, *args, **kwargs):
 
 def apply_model_backing_off(executor, *args, **kwargs):
     """ComfyUI's ``APPLY_MODEL`` wrapper: the whole diffusion-model call (only this model's) runs again,
-    with less of the model on the GPU, each time it runs out of GPU memory."""
+    with less of the model on the GPU, each time it runs out of GPU memory. A call that fails all the same
+    (a weight its layer cannot compute with, say) gives the pinned memory back: the prompt fails with
+    nothing left pinned, and the next run of the model pins it again (``pre_run``)."""
     base_model = executor.class_obj
     handle = handle_for_model(base_model)  # (``load`` built it before any forward)
-    return call_backing_off(handle, lambda: executor(*args, **kwargs), advice=lambda: _what_would_fit(base_model, handle))
+    try:
+        return call_backing_off(handle, lambda: executor(*args, **kwargs),
+                                advice=lambda: _what_would_fit(base_model, handle))
+    except mm.InterruptProcessingException:
+        raise  # (the user stopped the run: the model is fine)
+    except Exception:
+        handle.unpin()
+        raise
 
 
 def _what_would_fit(base_model: nn.Module, handle: GroupOffloadHandle) -> str:

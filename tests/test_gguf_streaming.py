@@ -197,3 +197,18 @@ def test_the_readout_names_the_gguf_types_and_counts_the_gguf_bytes_per_step(ggu
     host_bytes = offload_handle(model).stats()["host_bytes"]
     assert sum(nbytes for _, nbytes in run["formats"]) <= host_bytes, "their GGUF bytes"
     assert run["bytes_per_step"] == run["streamed_bytes_per_pass"] == host_bytes, "one pass a step, at the GGUF size"
+
+
+def test_a_forward_that_fails_leaves_nothing_pinned_and_the_error_is_comfyui_ggufs(gguf_models, fake_cudart):
+    """A block weight of a type ComfyUI-GGUF does not dequantize: its bytes stream as any others, and the
+    sampler fails as without the node, with nothing left pinned."""
+    unknown, weight = gguf_files.UNKNOWN_TYPE, "transformer_blocks.1.img_mlp.net.2.weight"
+    converter = gguf_files.converter_policy(gguf_files.QType.Q8_0)
+    path = gguf_files.write_tiny_gguf(gguf_models / "unknown_type.gguf", policy=lambda key, tensor: (
+        unknown if key == weight else converter(key, tensor)))
+    with pytest.raises(Exception) as plain:
+        sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
+    model = offload(node("UnetLoaderGGUF", unet_name=path.name))
+    with pytest.raises(type(plain.value), match=unknown.name):
+        sample(model, "qwen_image")
+    assert fake_cudart.registered_bytes == 0

@@ -241,7 +241,8 @@ class GroupOffloadTestOutOfMemory:
 
 
 class PlainSubclass(torch.Tensor):
-    """A tensor subclass that is neither ComfyUI-GGUF's GGMLTensor nor a wrapper subclass."""
+    """A tensor subclass that is neither GGUF-like (its meaning its bytes and its attributes) nor a wrapper
+    subclass: a tensor beside its bytes, as a scale, without the wrapper protocol."""
 
 
 class GroupOffloadTestPlainSubclass:
@@ -262,6 +263,7 @@ class GroupOffloadTestPlainSubclass:
         block = model.model.diffusion_model.transformer_blocks[0]
         linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
         linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(PlainSubclass), requires_grad=False)
+        linear.weight.scale = torch.ones(1)
         return (model,)
 
 
