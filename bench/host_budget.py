@@ -325,7 +325,8 @@ CAVEATS = (
     "sampling thread — no pinned staging ring, no gather worker, no overlap with compute; the GPU path is the "
     "`stream_all p1, host budget 25 %` row of `bench/gpu_benchmark.py`. Nor is the RAM smaller than the model "
     "here: the page cache keeps the whole file once read, so cold costs the first step only; where the cache "
-    "cannot hold the groups kept in place, every step reads again what it dropped, at the 1st cold step's rate. "
+    "cannot hold the groups kept in place, every step reads again what it dropped, at the 1st cold step's rate "
+    "(`bench/host_budget_box.py` measures that, in a memory cgroup with room for half the file). "
     "That rate is this VM's virtual disk's, which its host may cache; a local disk reads at its own. Absolute CPU "
     "times on this shared 2-core VM are loose; read the ratios, taken within one round.")
 

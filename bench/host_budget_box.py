@@ -5,8 +5,8 @@ nothing packed (what ``host_memory = auto`` packs when the RAM free is below its
 fresh process in a *box*: a memory cgroup (v1) the driver enters once the model is loaded, which holds
 the page cache it reads and the anonymous memory it adds while sampling to a limit. A balloon of
 touched anonymous memory would do the same for the whole machine, and squeeze everyone else on it; the
-box squeezes this process only. Its limit: the anonymous memory a first, unlimited run added (the
-slabs, the activations), plus half the model file for the page cache.
+box squeezes this process only. Its limit: the anonymous memory a first, unlimited run added at its
+peak (the slabs, the activations), plus half the model file for the page cache.
 
 Three runs, each with the file's pages evicted first (``posix_fadvise(DONTNEED)``):
 
@@ -22,6 +22,7 @@ than an LRU cache misses on every page), only the released ones with the stable 
 
     .venv/bin/python bench/host_budget_box.py            # prints the section and writes it to BENCHMARKS.md
     .venv/bin/python bench/host_budget_box.py --dry-run  # prints it only
+    .venv/bin/python bench/host_budget_box.py --smoke    # a 4-block model, 4 steps; prints it only
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ log = logging.getLogger("host_budget_box")
 
 HEADING = "Host budget in a box: the model twice the RAM free (CPU, issue 33)"
 CGROUPS = Path("/sys/fs/cgroup/memory")
+SMOKE_STEPS = 4  # the figures are the steps from the third on
+# A tiny model's box is mostly anonymous memory, which a run's peak may exceed by a few MB (no swap: killed).
+SMOKE_ANON_MARGIN = 64 * MB
 
 
 def memory_cgroup() -> Path:
@@ -69,14 +73,21 @@ def box(limit_bytes: int | None) -> Iterator[Path]:
         path.rmdir()
 
 
-def boxed_run(models, version, folder: Path, name: str, limit: int | None, keep: int | None) -> dict[str, Any]:
-    spec = {"models": str(models.base_dir), "unet_name": UNET_NAME, "via": "loader", "steps": STEPS,
+def boxed_run(models, version, folder: Path, name: str, limit: int | None, keep: int | None,
+              steps: int) -> dict[str, Any]:
+    spec = {"models": str(models.base_dir), "unet_name": UNET_NAME, "via": "loader", "steps": steps,
             "offload": {"host_memory": "budget", "host_gb": 0.0}, "latent": str(folder / f"{name}.pt"),
             "evict": "fadvise", **({} if keep is None else {"keep_cached_bytes": keep})}
     with box(limit) as cgroup:
         run = run_in_fresh_process({**spec, "box": str(cgroup)}, version.python, version.comfyui)
     log.info("%s: %s", name, [round(read / MB) for read in run["call_read_bytes"]])
     return run
+
+
+def anonymous_peak(unlimited: dict[str, Any]) -> int:
+    """The anonymous memory an unlimited run added at its peak: the box's peak less the page cache it held then
+    (all it read: nothing evicts it in an unlimited box)."""
+    return unlimited["box_peak_bytes"] - unlimited["box_stats"][-1]["total_cache"]
 
 
 def row(name: str, run: dict[str, Any], limit: int | None, predicted: float) -> list[str]:
@@ -98,19 +109,20 @@ HEADERS = ["run", "box limit MB", "s/step", "predicted from storage MB/step", "r
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the section, leave BENCHMARKS.md as it is")
+    parser.add_argument("--smoke", action="store_true", help="a 4-block model, 4 steps; implies --dry-run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     version, started = versions(None)[0], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="host-budget-box-") as folder:
-        models = model_dir(Path(folder), smoke=False)
+        models, steps = model_dir(Path(folder), smoke=args.smoke), SMOKE_STEPS if args.smoke else STEPS
         room = (models.models_dir / "diffusion_models" / UNET_NAME).stat().st_size // 2
-        free = boxed_run(models, version, Path(folder), "unlimited", None, None)
-        limit = max(b["total_rss"] for b in free["box_stats"]) + room
+        free = boxed_run(models, version, Path(folder), "unlimited", None, None, steps)
+        limit = anonymous_peak(free) + room + (SMOKE_ANON_MARGIN if args.smoke else 0)
         sizes = free["in_place_group_bytes"]
         keep = room - 2 * max(sizes)
         kept = sum(size for size, cached in zip(sizes, groups_kept_cached(sizes, keep)) if cached)
-        lru = boxed_run(models, version, Path(folder), "lru", limit, None)
-        stable = boxed_run(models, version, Path(folder), "stable", limit, keep)
+        lru = boxed_run(models, version, Path(folder), "lru", limit, None, steps)
+        stable = boxed_run(models, version, Path(folder), "stable", limit, keep, steps)
     in_place = sum(sizes)
     rows = [row("unlimited (calibration)", free, None, 0), row("LRU", lru, limit, in_place),
             row("stable part", stable, limit, in_place - kept)]
@@ -123,7 +135,7 @@ def main(argv: list[str]) -> int:
         markdown_table(HEADERS, rows),
     ])
     print(markdown)
-    if not args.dry_run:
+    if not (args.smoke or args.dry_run):
         replace_section(HEADING, markdown)
     return 0
 

@@ -20,7 +20,7 @@ from offload_core import SourceChangedError, apply_group_offload, hostmem
 from fixture_models import ModelDir, tiny_qwen_image_file
 from pack_modules import pack_module
 from quantized_files import QUANT_FORMATS, BLOCK_PREFIX, cpu_skip_reason, quantize_state_dict, source_qwen_file
-from run_nodes import run_node
+from run_nodes import run_node, run_txt2img
 from test_core_in_place import mapped_pair
 from test_nodes import OFFLOAD_DEFAULTS
 
@@ -163,13 +163,36 @@ def test_the_groups_kept_cached_are_the_first_that_fit_the_room():
     assert hostmem.groups_kept_cached([10] * 3, 0) == [False] * 3
 
 
+@pytest.mark.parametrize("weight_dtype", ["default", "fp8_e4m3fn"])
+def test_a_lora_on_blocks_left_in_the_read_only_file_samples_as_comfyui(files, weight_dtype):
+    """On the CPU the device is the host: the LoRA is computed into the slabs the groups are gathered into,
+    ComfyUI patches the weights outside the blocks (memory of their own), and an fp8 weight_dtype converts the
+    blocks into memory of their own; the file's read-only pages are never written (a write would kill the
+    process)."""
+    from lora_fixture import make_lora
+
+    lora = make_lora(tiny_qwen_image_file(**MODEL), files.models_dir / "loras" / "file_tier_lora.safetensors").name
+
+    def with_lora(model):
+        return run_node("LoraLoaderModelOnly", model=model, lora_name=lora, strength_model=0.8).outputs[0]
+
+    with torch.inference_mode():  # as in a prompt
+        plain = run_node("UNETLoader", unet_name=SMALL_NAME, weight_dtype=weight_dtype).outputs[0]
+        ours = run_node("GroupOffloadLoader", unet_name=SMALL_NAME, weight_dtype=weight_dtype,
+                        **OFFLOAD_DEFAULTS, host_memory="budget", host_gb=0.0).outputs[0]
+        expected = run_txt2img(with_lora(plain), seed=3).latent
+        assert not torch.equal(expected, run_txt2img(plain, seed=3).latent), "the LoRA must change the result"
+        assert torch.equal(run_txt2img(with_lora(ours), seed=3).latent, expected)
+        assert torch.equal(run_txt2img(ours, seed=3).latent, run_txt2img(plain, seed=3).latent), "unpatched again"
+
+
 def test_weight_hooks_on_the_blocks_are_refused_before_they_write(files, tmp_path):
     """ComfyUI writes a conditioning's weight hooks (Create Hook LoRA) into the weights in place; a block's are
     read-only pages of the file here (a write would kill the process): the run fails at the sampler instead."""
     import comfy.hooks
     import comfy.utils
     from lora_fixture import make_lora
-    from run_nodes import make_test_conditioning, qwen_joint_dim, run_txt2img
+    from run_nodes import make_test_conditioning, qwen_joint_dim
 
     lora = comfy.utils.load_torch_file(str(make_lora(tiny_qwen_image_file(**MODEL), tmp_path / "lora.safetensors")))
     with torch.inference_mode():  # as in a prompt

@@ -123,3 +123,19 @@ def test_a_host_budget_the_model_fits_packs_every_group(plain, measure, via, hos
     assert (stats["packed_bytes"], stats["in_place_bytes"]) == (stats["host_bytes"], 0)
     assert stats["gathers"] == 0 == stats["gathered_bytes"]
     assert anon_growth(run) <= allowed_growth(stats["host_bytes"], stats)
+
+
+def test_the_box_benchmark_runs_in_smoke():
+    """``bench/host_budget_box.py --smoke``: three boxed runs of a 4-block model and its table (needs a memory
+    cgroup (v1) it may make one in)."""
+    import host_budget_box as box  # (bench/ is on sys.path through host_budget_driver)
+
+    try:
+        if not os.access(box.memory_cgroup(), os.W_OK):
+            pytest.skip("no writable memory cgroup (v1) here")
+    except (OSError, StopIteration):
+        pytest.skip("no memory cgroup (v1) here")
+    done = subprocess.run([sys.executable, box.__file__, "--smoke"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, COMFYUI_PATH=str(comfyui_path())))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert all(f"| {run} |" in done.stdout for run in ("unlimited (calibration)", "LRU", "stable part"))
