@@ -57,8 +57,6 @@ class GroupOffloadHandle(GroupHooks):
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(resident_bytes)
 
-    # --- public -----------------------------------------------------------------------------
-
     @property
     def ledger(self) -> TransferLedger:
         return self._transfers.ledger
@@ -110,13 +108,15 @@ class GroupOffloadHandle(GroupHooks):
         self.release_device_memory()
         self.backed_off = False
         self._use_plan(plan_residency([g.nbytes for g in self.groups], resident_bytes), self.config.prefetch)
+        self.pin_streamed()
 
     def back_off(self) -> bool:
         """After a call ran out of device memory: fall back to the next plan that holds less
         (``residency.backed_off_plan``); it holds until the next ``set_resident_bytes``.
 
         Once the copies in flight are done, the streaming buffers and the groups that no longer stay
-        resident leave the device; the groups that stay keep their device copy. An order learnt from
+        resident leave the device; the groups that stay keep their device copy; those that stream now are
+        not pinned in the middle of the recovery (``HostPins.stage_unpinned``). An order learnt from
         a first forward that failed part-way is forgotten. Returns False when no plan holds less
         (every group streams with prefetch 1 or 0): nothing changes then.
         """
@@ -134,6 +134,7 @@ class GroupOffloadHandle(GroupHooks):
         self._forget_slabs()
         self._schedule.forget_unfinished()
         self._use_plan(resident, prefetch)
+        self._pins.stage_unpinned()  # the groups that stream now: not pinned in the middle of a recovery
         self.backed_off = True
         self.ledger.back_offs += 1
         return True
@@ -157,7 +158,6 @@ class GroupOffloadHandle(GroupHooks):
             group.resident = stays
         self._slabs.slab_bytes = max((g.nbytes for g in self.groups if not g.resident), default=0)
         self._schedule.use_plan([not stays for stays in resident], prefetch)
-        self.pin_streamed()
 
     def pin_streamed(self) -> int:
         """Pin every streamed group the pinner accepts (``HostPins.pin_streamed``); the streamed packed bytes
@@ -218,7 +218,10 @@ class GroupOffloadHandle(GroupHooks):
         self._forget_slabs()
 
     def remove(self) -> None:
-        """Hooks gone, no pinned memory held; the model computes exactly as before, from host memory."""
+        """Hooks gone, no pinned memory held; the model computes exactly as before, from host memory.
+        Called inside a gather job (a finalizer run there), the worker does it once that job has run."""
+        if self._transfers.defer_out_of_gather_job(self.remove):
+            return
         self._finish_copies()
         for group in self.groups:
             group.release()

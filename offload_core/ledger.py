@@ -1,6 +1,7 @@
 """The transfer ledger: what crossed the bus, how often, and what it cost the host and the GPU."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -14,7 +15,8 @@ class TransferLedger:
     """Counters behind ``GroupOffloadHandle.stats()``.
 
     ``bytes_d2h`` exists to be read, not written: this engine never copies weights back, and the
-    benchmarks compare it against baselines that do.
+    benchmarks compare it against baselines that do. A copy counts once it is queued, a gather once it
+    is done; the gather worker counts its own, under the ledger's lock.
     """
 
     bytes_h2d: int = 0
@@ -34,21 +36,26 @@ class TransferLedger:
     back_offs: int = 0  # plans given up for one that holds less, after a call ran out of device memory
     _wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
     _wait_ms: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_hook(self, seconds: float, entered: bool) -> None:
         """Host time of one hook body; ``entered`` counts a group run (its enter, not its exit)."""
         self.hook_seconds += seconds
         self.hook_calls += entered
 
-    def record_copy(self, nbytes: int) -> None:
-        self.bytes_h2d += nbytes
-        self.copies_h2d += 1
+    def record_copy(self, nbytes: int, staged: bool = False) -> None:
+        """A copy to the device queued; ``staged``: from a staging buffer."""
+        with self._lock:
+            self.bytes_h2d += nbytes
+            self.copies_h2d += 1
+            self.staged_copies += staged
 
     def record_gather(self, nbytes: int, from_disk: int, seconds: float) -> None:
-        self.gathers += 1
-        self.gathered_bytes += nbytes
-        self.gathered_from_disk_bytes += from_disk
-        self.gather_seconds += seconds
+        with self._lock:
+            self.gathers += 1
+            self.gathered_bytes += nbytes
+            self.gathered_from_disk_bytes += from_disk
+            self.gather_seconds += seconds
 
     def record_wait(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self._wait_events.append((start, end))

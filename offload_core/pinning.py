@@ -53,8 +53,8 @@ class HostPins:
     def pin_streamed(self) -> int:
         """Pin every streamed group's mirror the pinner accepts, unpin the resident ones; a refusal
         does not stop the others. Groups kept in place, and those pinning refused, go through a
-        staging ring on a CUDA device. Returns the streamed packed bytes left in pageable memory."""
-        self.drop_staging()  # the groups first: a ring is only for what is not pinned
+        staging ring on a CUDA device; the ring stays from one call to the next while it is wanted (a
+        sampling run makes one). Returns the streamed packed bytes left in pageable memory."""
         started = time.perf_counter()
         refused = 0
         if self._pinner is not None:
@@ -67,7 +67,9 @@ class HostPins:
         in_place = any(not g.mirror.packed for g in self.groups)
         pins_at_a_limit = refused and any(g.mirror.pinned for g in self.groups)  # not a driver that pins nothing
         if self._runtime is not None and (in_place or pins_at_a_limit):
-            self._make_staging(refused)
+            self._stage(refused)
+        else:
+            self.drop_staging()
         self.seconds += time.perf_counter() - started
         if refused:
             refused = sum(g.nbytes for g in self.groups if not g.resident and g.mirror.packed and not g.mirror.pinned)
@@ -77,16 +79,21 @@ class HostPins:
                      refused / 2**20, ring)
         return refused
 
+    def stage_unpinned(self) -> None:
+        """After a back-off: the groups that no longer stay resident stream from the pageable memory a resident
+        group is left in. Rather than pin them in the middle of the recovery (their pins would go again at
+        the next plan), they stream through the staging ring: made if there is none, two groups' worth."""
+        if self._runtime is None or self._pinner is None or self.staging is not None:
+            return
+        if any(not g.resident and g.mirror.packed and not g.mirror.pinned for g in self.groups):
+            started = time.perf_counter()
+            self._stage(refused=0)
+            self.seconds += time.perf_counter() - started
+
     def unpin(self, at_least: int | None = None) -> int:
         """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
         ``at_least`` bytes of it; returns the bytes unpinned."""
-        freed = 0
-        for group in reversed(self.groups):
-            if at_least is not None and freed >= at_least:
-                break
-            if group.mirror.pinned:
-                group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
-                freed += group.nbytes
+        freed = self._unpin_groups(at_least)
         if self.staging is not None and (at_least is None or freed < at_least):
             freed += self.staging.pinned_bytes
             if all(g.mirror.packed for g in self.groups):
@@ -100,20 +107,31 @@ class HostPins:
             self.staging.unpin()  # after the copies that read it (the drain given to ``pin``)
             self.staging = None
 
-    def _make_staging(self, refused: int) -> None:
-        """A staging ring as large as two of the largest groups, pinned (when pinning was refused for some
-        groups, in the room of the last pinned ones): every unpinned copy then runs at the pinned rate,
-        for two groups' worth of pins. Unpinned when the pinner refuses it, for groups kept in place."""
-        ring = StagingRing(self._runtime, max(g.nbytes for g in self.groups))
-        if refused:
-            self.unpin(at_least=ring.total_bytes)
-        if self._pinner is not None and not ring.pin(self._pinner, self._drain):
-            self._runtime.discard_last_error()
+    def _unpin_groups(self, at_least: int | None) -> int:
+        freed = 0
+        for group in reversed(self.groups):
+            if at_least is not None and freed >= at_least:
+                break
+            if group.mirror.pinned:
+                group.mirror.unpin()  # after the copies that read it (the drain given to ``pin``)
+                freed += group.nbytes
+        return freed
+
+    def _stage(self, refused: int) -> None:
+        """The staging ring, as large as two of the largest groups (the groups never change size: an earlier
+        call's ring fits), pinned (when pinning was refused for some groups, in the room of the last pinned
+        ones): every unpinned copy then runs at the pinned rate, for two groups' worth of pins. A ring that
+        gave its pins up takes them back. Unpinned when the pinner refuses it, for groups kept in place."""
+        ring = self.staging or StagingRing(self._runtime, max(g.nbytes for g in self.groups))
+        if self._pinner is not None and not ring.pinned_bytes:
             if refused:
-                self._pin_pageable_groups()  # no pinned ring after all: the groups take their pins back
+                self._unpin_groups(at_least=ring.total_bytes)
+            if not ring.pin(self._pinner, self._drain):
                 self._runtime.discard_last_error()
-        if ring.pinned_bytes or any(not g.mirror.packed for g in self.groups):
-            self.staging = ring
+                if refused:
+                    self._pin_pageable_groups()  # no pinned ring after all: the groups take their pins back
+                    self._runtime.discard_last_error()
+        self.staging = ring if ring.pinned_bytes or any(not g.mirror.packed for g in self.groups) else None
 
     def _pin_pageable_groups(self) -> int:
         """Pin each streamed packed group not pinned yet (a refusal's CUDA error is the caller's to discard,

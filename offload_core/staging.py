@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from .group import ModuleGroup
 from .mirror import HostMirror, Pinner
 from .runtime import Runtime
 
@@ -59,14 +58,12 @@ class StagingRing:
         index, self._next = self._next, (self._next + 1) % len(self._buffers)
         return index
 
-    def stage(self, index: int, group: ModuleGroup) -> tuple[torch.Tensor, int]:
-        """``group``'s bytes gathered into buffer ``index``, once its last copy out has run; returns the
-        filled part and the bytes read from a disk on the way."""
+    def free_buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of buffer ``index``, once its last copy out has run (the host waits for it)."""
         if self._sent[index] is not None:
             self._sent[index].synchronize()  # the copy stream has read what this buffer held
             self._sent[index] = None
-        target = self._buffers[index].buffer[: group.nbytes]
-        return target, group.gather_into(target, self._runtime.host_copy)
+        return self._buffers[index].buffer[:nbytes]
 
     def sent(self, index: int, stream: Any) -> None:
         """The copy out of buffer ``index`` is queued on ``stream``."""

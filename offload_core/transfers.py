@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import weakref
 from contextlib import AbstractContextManager, nullcontext
@@ -44,6 +45,9 @@ from .slabs import SlabPool
 from .staging import StagingRing
 
 log = logging.getLogger(__name__)
+
+# What the thread that runs the code now is doing: ``job`` is True inside a gather job (the worker's).
+_THREAD = threading.local()
 
 
 class Transfers:
@@ -126,26 +130,33 @@ class Transfers:
         ``ready`` before it runs."""
         group.show(slab)
         ring = self.pins.staging
-        job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch.targets(group))
+        job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch.targets(group),
+                                torch.is_inference_mode_enabled())
         group.pending = self.runtime.submit(job)
-        self.ledger.staged_copies += 1
-        self.ledger.record_copy(group.nbytes)
 
     def _staged_copy(self, group: ModuleGroup, slab: torch.Tensor, ring: StagingRing, index: int,
-                     patch_targets: list[PatchTarget]) -> object:
+                     patch_targets: list[PatchTarget], inference: bool) -> object:
         """The gather worker's job: ``group``'s bytes into ``ring``'s buffer ``index``, then queued to ``slab``
-        on the copy stream with the patch after them; returns the event the copies are done at."""
-        with self._inference_mode(), self.runtime.use_stream(self.copy_stream):
-            started = time.perf_counter()
-            staged, from_disk = ring.stage(index, group)
-            if not group.mirror.packed:
-                self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
-            group.fill(slab, non_blocking=True, source=staged)
-            ring.sent(index, self.copy_stream)
-            self._patch.apply(patch_targets)
-            ready = self.runtime.new_event()
-            ready.record(self.copy_stream)
-        return ready
+        on the copy stream with the patch after them; returns the event the copies are done at. It runs in
+        inference mode where the host submitted it so (``inference``), as the views the patch writes were
+        made there."""
+        _THREAD.job = True
+        try:
+            with torch.inference_mode(inference or self._inference), self.runtime.use_stream(self.copy_stream):
+                staged = ring.free_buffer(index, group.nbytes)  # (waiting for it is no part of the gather)
+                started = time.perf_counter()
+                from_disk = group.gather_into(staged, self.runtime.host_copy)
+                if not group.mirror.packed:
+                    self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+                group.fill(slab, non_blocking=True, source=staged)
+                ring.sent(index, self.copy_stream)
+                self.ledger.record_copy(group.nbytes, staged=True)
+                self._patch.apply(patch_targets)
+                ready = self.runtime.new_event()
+                ready.record(self.copy_stream)
+            return ready
+        finally:
+            _THREAD.job = False
 
     def _inference_mode(self) -> AbstractContextManager:
         """Inference tensors (see ``ModuleGroup``) are written only under inference mode (a thread's own)."""
@@ -153,12 +164,24 @@ class Transfers:
 
     # --- waits ---------------------------------------------------------------------------------
 
+    def defer_out_of_gather_job(self, work: Callable[[], None]) -> bool:
+        """Whether the code runs inside a gather job; then ``work`` is handed to the worker, to run after the
+        jobs queued so far. A job's later jobs cannot run until it returns, so nothing in it may wait for
+        them: a finalizer that a collection runs there (the nodes remove a handle from one), say."""
+        if self.runtime is None or not getattr(_THREAD, "job", False):  # (no worker: nothing to wait for)
+            return False
+        self.runtime.submit(work)
+        return True
+
     def take_ready(self, group: ModuleGroup, raising: bool = True) -> None:
-        """The ready event of ``group``'s staged copy, once the worker has queued it."""
+        """The ready event of ``group``'s staged copy, once the worker has queued it. A failed job (its patch
+        ran out of memory, say) drops the group from the device, as a failed onload does: it computes from its
+        mirror until its next onload copies it again."""
         pending, group.pending = group.pending, None
         try:
             group.ready = self.runtime.wait(pending)
         except Exception:
+            self._abandon_onload(group, group.slab)
             if raising:
                 raise
             log.debug("a staged copy failed; its group is dropped from the device", exc_info=True)
@@ -176,8 +199,9 @@ class Transfers:
     def offload(self, group: ModuleGroup) -> None:
         """Point ``group`` back at its mirror and free its slab once the compute that read it has run."""
         if group.pending is not None:  # a copy into the slab yet to be queued must come before the next one
-            self.take_ready(group, raising=False)
-        self.slabs.release(group.offload_())  # its "released" event: recorded on the compute stream
+            self.take_ready(group, raising=False)  # (a failed one has dropped the group already)
+        if group.onloaded:
+            self.slabs.release(group.offload_())  # its "released" event: recorded on the compute stream
 
     def finish_copies(self) -> None:
         """Device buffers may be dropped only once the copies into them are done."""
