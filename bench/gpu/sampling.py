@@ -108,8 +108,9 @@ def sample_row(row: Row, model: Any, config: BenchConfig, balloon: Balloon, out:
 
 def end_row(row: Row) -> None:
     """Log the row and send its RESULT line."""
+    first = "" if row.first_step_s is None else f" (first {row.first_step_s:.1f} s)"  # a bare call has no warm-up
     log.info("%s %s, cap %s: %s", row.system, row.mode, cap_label(row.cap_bytes),
-             row.skipped or f"{row.seconds:.3f} s/step (first {row.first_step_s:.1f} s)")
+             row.skipped or f"{row.seconds:.3f} s/step{first}")
     emit("row", asdict(row))
 
 

@@ -46,7 +46,6 @@ def comfy_limits(ram: int) -> dict[str, int]:
 
 def as_machine(ram: int, smoke: bool) -> str:
     """Give ComfyUI and ``psutil`` a machine of ``ram`` bytes; what was set, for the row's note."""
-    import comfy.memory_management
     import comfy.model_management as mm
     import psutil
 
@@ -59,10 +58,16 @@ def as_machine(ram: int, smoke: bool) -> str:
     psutil.virtual_memory = virtual_memory
     limits = comfy_limits(ram)
     mm.total_ram = ram / 2**20
-    comfy.memory_management.set_ram_cache_release_state(None, limits["headroom"])
+    headroom = f"RAM cache headroom {limits['headroom'] / 1e9:.1f} GB"
+    try:
+        from comfy.memory_management import set_ram_cache_release_state
+    except ImportError:  # a ComfyUI without a RAM cache (0.3.75)
+        headroom = "no RAM cache in this ComfyUI"
+    else:
+        set_ram_cache_release_state(None, limits["headroom"])
     if not smoke:  # under --cpu ComfyUI pins nothing, and must not start
         mm.MAX_PINNED_MEMORY = limits["pinned"]
-    return (f"pinned-memory limit {limits['pinned'] / 1e9:.1f} GB, RAM cache headroom {limits['headroom'] / 1e9:.1f} GB"
+    return (f"pinned-memory limit {limits['pinned'] / 1e9:.1f} GB, {headroom}"
             f" (ComfyUI 0.33.0's rules for {ram / 1e9:.0f} GB)")
 
 

@@ -4,7 +4,7 @@ compiles stay short) at a cap where about half the blocks stream, each system in
 - ``compile-dynamic``      ComfyUI as shipped, Dynamic VRAM, eager: the reference;
 - ``compile-comfy-eager``  the model TorchCompileModel hands on, before compiling: ``clone(disable_dynamic=True)``,
                            ComfyUI's legacy partial load (what compiling leaves Dynamic VRAM for);
-- ``compile-comfy``        ComfyUI's TorchCompileModel (inductor) as shipped;
+- ``compile-comfy``        ComfyUI's TorchCompileModel as shipped (inductor; ``--smoke``: aot_eager, see config);
 - ``compile-pack-after``   this pack's node (``auto``), then TorchCompileModel; its first timed step is profiled;
 - ``compile-pack-before``  TorchCompileModel, then this pack's node.
 
@@ -28,10 +28,10 @@ from ..sampling import OFFLOAD_ROWS, end_row, offload_node, sample_row
 PACK_SETTINGS = dict(OFFLOAD_ROWS)["auto"]
 
 
-def _compiled(model: Any) -> Any:
+def _compiled(model: Any, backend: str) -> Any:
     from run_nodes import run_node
 
-    return run_node("TorchCompileModel", model=model, backend="inductor").outputs[0]
+    return run_node("TorchCompileModel", model=model, backend=backend).outputs[0]
 
 
 def _legacy_clone(model: Any) -> Any:
@@ -41,15 +41,16 @@ def _legacy_clone(model: Any) -> Any:
     return model.clone()
 
 
-# system: (its label, its mode, how it is built from ComfyUI's model)
-SYSTEMS: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
-    "compile-dynamic": ("ComfyUI as shipped", "eager", lambda plain: plain),
-    "compile-comfy-eager": ("ComfyUI TorchCompileModel path", "eager (legacy partial load)", _legacy_clone),
-    "compile-comfy": ("ComfyUI TorchCompileModel path", "compiled (inductor)", _compiled),
+# system: (its label, its mode, how it is built from ComfyUI's model and TorchCompileModel's backend)
+SYSTEMS: dict[str, tuple[str, str, Callable[[Any, str], Any]]] = {
+    "compile-dynamic": ("ComfyUI as shipped", "eager", lambda plain, backend: plain),
+    "compile-comfy-eager": ("ComfyUI TorchCompileModel path", "eager (legacy partial load)",
+                            lambda plain, backend: _legacy_clone(plain)),
+    "compile-comfy": ("ComfyUI TorchCompileModel path", "compiled ({backend})", _compiled),
     "compile-pack-after": ("this pack", "auto, then TorchCompileModel",
-                           lambda plain: _compiled(offload_node(plain, PACK_SETTINGS))),
+                           lambda plain, backend: _compiled(offload_node(plain, PACK_SETTINGS), backend)),
     "compile-pack-before": ("this pack", "TorchCompileModel, then auto",
-                            lambda plain: offload_node(_compiled(plain), PACK_SETTINGS)),
+                            lambda plain, backend: offload_node(_compiled(plain, backend), PACK_SETTINGS)),
 }
 COMPILE_SYSTEMS = tuple(SYSTEMS)
 PROFILED = "compile-pack-after"
@@ -61,12 +62,13 @@ def compile_family(system: str) -> Callable[[BenchConfig, Path], None]:
     def run(config: BenchConfig, out: Path) -> None:
         patcher = start_comfyui(config, dynamic=True)
         config = replace(config, blocks=config.compile_blocks)
-        row = Row(system, comfy_system(patcher) if label == "ComfyUI as shipped" else label, mode, f"bf16, {config.blocks} blocks", config.compile_cap_bytes)
+        row = Row(system, comfy_system(patcher) if label == "ComfyUI as shipped" else label,
+                  mode.format(backend=config.compile_backend), f"bf16, {config.blocks} blocks", config.compile_cap_bytes)
         if not ROWS.begin(row, config):
             return
         plain = load_comfy_model(config, torch.bfloat16, dynamic_patcher=True)
         try:
-            model = build(plain)
+            model = build(plain, config.compile_backend)
         except ValueError as error:  # a node refused the model: the row says why
             row.skipped = f"refused: {error}"
             end_row(row)
