@@ -94,9 +94,14 @@ def expected(kind: str, lora: float | None = None, **advanced) -> torch.Tensor:
     return _EXPECTED[key]
 
 
-def test_the_files_hold_every_type_comfyui_gguf_dequantizes(gguf_models):
+def test_the_files_hold_every_type_comfyui_gguf_dequantizes_orig_shape_and_5d_tensors(gguf_models):
     types = set(gguf_files.stored_types(gguf_models / file_name("qwen_image")).values())
     assert types >= set(gguf_files.COMFYUI_GGUF_TYPES)
+    fields = gguf_files.gguf.GGUFReader(gguf_models / file_name("qwen_image")).fields
+    assert any(name.startswith("comfy.gguf.orig_shape.transformer_blocks.") for name in fields), \
+        "quantized block weights stored as rows of 256 values, their shape in the metadata"
+    wan = gguf_files.gguf.GGUFReader(gguf_models / file_name("wan")).tensors
+    assert any(len(t.shape) == 5 for t in wan), "Wan's 5-D patch embedding"
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
