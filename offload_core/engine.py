@@ -8,7 +8,7 @@ The rooms behind the face, each importing only those below it:
 - ``transfers.py``: the copies into device buffers, the gather worker, the waits and the stream rules;
 - ``onload_patch.py``: the device-side patch (a LoRA) applied after each copy;
 - ``pinning.py``, ``staging.py``, ``slabs.py``: the page-locked host memory, the staging ring, the device buffers;
-- ``group.py`` and ``mirror.py``: a group of blocks and its host copy; ``residency.py``: the plans, in numbers.
+- ``grouping.py``, ``group.py``, ``mirror.py``: how blocks become groups, a group, its host copy; ``residency.py``: the plans.
 """
 from __future__ import annotations
 
