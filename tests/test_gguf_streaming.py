@@ -2,7 +2,9 @@
 is bit-identical to the same GGUF model without the node (Qwen-Image, Flux and Wan 2.1 files holding every type
 ComfyUI-GGUF dequantizes); the weights stream as their GGUF bytes and stay ``GGMLTensor``s; a LoRA before and
 after the node is ComfyUI-GGUF's (hung on the quantized weights, added as they dequantize); the groups past a
-host budget are gathered from the ``.gguf`` file's pages, and a file changed under them fails the run clearly."""
+host budget are gathered from the ``.gguf`` file's pages, and a file changed under them fails the run clearly.
+The bit-exact and LoRA tests run as "cpu" and "cuda" (test_cuda_nodes' ``device``): the GPU machine runs the
+same flow."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,7 @@ from lora_fixture import make_lora
 from pack_modules import pack_module
 from run_nodes import make_test_conditioning, run_node
 from stand_ins import TEXT_WIDTHS
+from test_cuda_nodes import DEVICES, device  # noqa: F401  (device: a fixture)
 
 pytestmark = pytest.mark.skipif(gguf_files.comfyui_gguf_missing() is not None,
                                 reason=str(gguf_files.comfyui_gguf_missing()))
@@ -104,9 +107,10 @@ def test_the_files_hold_every_type_comfyui_gguf_dequantizes_orig_shape_and_5d_te
     assert any(len(t.shape) == 5 for t in wan), "Wan's 5-D patch embedding"
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("kind", MODELS)
-def test_bit_identical_to_comfyui_gguf_streamed_as_the_gguf_bytes(gguf_models, kind, settings):
+def test_bit_identical_to_comfyui_gguf_streamed_as_the_gguf_bytes(gguf_models, kind, settings, device):
     packed_nbytes = pack_module("offload_core").packed_nbytes
     model = offload(load_gguf(kind), **SETTINGS[settings])
     assert torch.equal(sample(model, kind), expected(kind))
@@ -124,7 +128,8 @@ def test_bit_identical_to_comfyui_gguf_streamed_as_the_gguf_bytes(gguf_models, k
         assert stats["streamed_bytes_per_pass"] == stats["host_bytes"] == sum(g.nbytes for g in handle.groups)
 
 
-def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change_reloads_nothing(gguf_models):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change_reloads_nothing(gguf_models, device):
     kind = "qwen_image"
     plain = load_gguf(kind)
     assert not torch.equal(expected(kind, 0.8), expected(kind)), "the LoRA changes the result"
