@@ -62,8 +62,8 @@ class BlockPatches:
         self._model = weakref.ref(model)  # the handle lives on the model: no reference cycle through it
         #: the patched weights whose bytes are not their values: the model's own patcher patches them
         self.encoded = [key for key in patches if _encoded(comfy.utils.get_attr(model, key))]
-        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items()
-                         if key not in self.encoded}
+        computed = patches.keys() - set(self.encoded)
+        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items() if key in computed}
         self.device_bytes = self.device_bytes_for(model, patches, device)
 
     @staticmethod

@@ -145,6 +145,7 @@ def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change
         "a strength change reloads nothing"
     assert torch.equal(sample(offloaded, kind), expected(kind)), "without the LoRA, its patches are gone"
     assert torch.equal(sample(after, kind), expected(kind, 0.8))
+    assert torch.equal(sample(plain, kind), expected(kind)), "the node bypassed: ComfyUI-GGUF's own patcher on the model"
 
 
 @pytest.mark.parametrize("advanced", [
