@@ -1,0 +1,81 @@
+"""Pins per sampling run (issue 32, item 2), counted by the CUDA stand-in (``tests/stream_checker.py``'s
+``CheckedCudart``, a ``FakeCudart`` that records every successful call): no GPU needed.
+
+A run is what the nodes do per sampling run: ``handle.pin_streamed()`` (the patcher's ``pre_run``) and a
+forward; in the back-off setting the nodes' replan comes first and the last block runs out of memory once.
+The steady state (the 4th run) is printed, in largest groups of bytes (the staging ring is two of them).
+
+    python bench/pins_per_run.py
+"""
+from __future__ import annotations
+
+import logging
+
+import bench_paths  # noqa: F401  (tests/ and the repository root on sys.path)
+import torch
+
+from offload_core import apply_group_offload, call_backing_off
+from stream_checker import StreamChecker
+from test_core_backoff import out_of_memory_inside
+from test_core_engine import make_pair
+
+log = logging.getLogger("pins_per_run")
+
+
+def _counts(cudart, since: int) -> tuple[int, int, int, int]:
+    calls = cudart.calls[since:]
+    registered = [size for kind, _, size in calls if kind == "register"]
+    unregistered = [size for kind, _, size in calls if kind == "unregister"]
+    return len(registered), sum(registered), len(unregistered), sum(unregistered)
+
+
+def measure(name: str, setup, runs: int = 4, back_off: bool = False) -> None:
+    checker = StreamChecker()
+    torch.cuda.cudart = lambda: checker.cudart
+    with checker, torch.inference_mode():
+        reference, offloaded, x = make_pair("cpu", depth=12)
+        handle = setup(checker, offloaded)
+        offloaded(x)  # the first run learns the order
+        per_run = []
+        for _ in range(runs):
+            since, discards = len(checker.cudart.calls), checker.discards
+            if back_off:
+                handle.set_resident_bytes(sum(g.nbytes for g in handle.groups))
+            handle.pin_streamed()
+            if back_off:
+                with out_of_memory_inside(offloaded.blocks[11], failures=1):
+                    out = call_backing_off(handle, lambda: offloaded(x))
+            else:
+                out = offloaded(x)
+            assert torch.equal(out, reference(x))
+            per_run.append((*_counts(checker.cudart, since), checker.discards - discards))
+        group = max(g.nbytes for g in handle.groups)
+        handle.remove()
+    registered, registered_bytes, unregistered, unregistered_bytes, syncs = per_run[-1]
+    log.info("%-40s per run: %2d cudaHostRegister (%4.1f largest groups), %2d cudaHostUnregister (%4.1f largest "
+             "groups), %d device syncs for refusals", name, registered, registered_bytes / group, unregistered,
+             unregistered_bytes / group, syncs)
+
+
+def _past_a_limit(checker, model):
+    group = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    checker.cudart.driver_limit = 6 * group + group // 2
+    return apply_group_offload(model, model.blocks, "cpu", runtime=checker)
+
+
+def _half_in_place(checker, model):
+    budget = sum(p.numel() * p.element_size() for p in model.blocks.parameters()) // 2
+    return apply_group_offload(model, model.blocks, "cpu", runtime=checker, host_budget=budget)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    measure("all packed, all pinned", lambda c, m: apply_group_offload(m, m.blocks, "cpu", runtime=c))
+    measure("past a pinned-memory limit (6.5 of 12)", _past_a_limit)
+    measure("half the groups kept in place", _half_in_place)
+    measure("all resident, one back-off per run",
+            lambda c, m: apply_group_offload(m, m.blocks, "cpu", runtime=c), back_off=True)
+
+
+if __name__ == "__main__":
+    main()
