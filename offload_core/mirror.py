@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -86,6 +87,15 @@ class CudaHostRegister:
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+@runtime_checkable
+class ManyCopy(Protocol):
+    """A ``CopyFn`` that also copies many pairs in one call (``gather.HostCopy``): a gather's whole group."""
+
+    def __call__(self, target: torch.Tensor, source: torch.Tensor) -> None: ...
+
+    def many(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None: ...
+
+
 class HostMirror:
     """The host copy of one group: a packed buffer, its typed views and its pinned state."""
 
@@ -159,12 +169,16 @@ class InPlaceMirror:
 
     def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
         """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the
-        bytes whose pages the page cache did not hold before (read from the disk)."""
-        from_disk = 0
-        for view, into, mapped in zip(self.views, segment_views(target, self.segments), self._file_backed):
-            if mapped:
-                from_disk += uncached_bytes(view) or 0
-            copy(into, view)
+        bytes whose pages the page cache did not hold as the gather began (read from the disk; a page two
+        tensors share counts for each). A ``copy`` that copies many pairs at once (``gather.HostCopy``)
+        is given the whole group."""
+        from_disk = sum(uncached_bytes(view) or 0 for view, mapped in zip(self.views, self._file_backed) if mapped)
+        intos = segment_views(target, self.segments)
+        if isinstance(copy, ManyCopy):
+            copy.many(intos, self.views)
+        else:
+            for into, view in zip(intos, self.views):
+                copy(into, view)
         return from_disk
 
 

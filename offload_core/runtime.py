@@ -12,6 +12,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from .gather import HostCopy
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,9 @@ class CudaRuntime:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._worker: ThreadPoolExecutor | None = None  # made at the first staged copy
+        #: Copies between host buffers, by the thread that asks and a few of its own, off the GIL and
+        #: OpenMP (no stream is involved); a gather's whole group at once (``HostCopy.many``).
+        self.host_copy = HostCopy()
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
@@ -56,14 +61,12 @@ class CudaRuntime:
         return torch.cuda.stream(stream)
 
     def new_event(self, enable_timing: bool = False) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=enable_timing)
+        """An event whose ``synchronize`` sleeps until it is reached (the gather worker waits on the staging
+        ring's), rather than spinning a core the compute and the other gathers need."""
+        return torch.cuda.Event(enable_timing=enable_timing, blocking=True)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """A copy between host buffers, by the thread that calls it (no stream is involved)."""
-        target.copy_(source)
 
     def submit(self, job: Callable[[], Any]) -> Future:
         """Run ``job`` on the gather worker: one thread, so jobs run in the order they were submitted."""

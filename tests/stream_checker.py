@@ -16,7 +16,8 @@ Accesses to memory it tracks (its device allocations, host buffers registered th
 
 The gather worker (``submit``) is a second host thread: its jobs run at once, on a clock of their own,
 ordered after what the host did before it submitted them; the host is ordered after a job once it
-``wait``s for it.
+``wait``s for it. Host copies (``host_copy``) are the engine's own, ``gather.HostCopy``, which no dispatch
+mode sees: their accesses are checked as the calling thread's.
 
 The allocator models CUDA's caching allocator: memory belongs to the pool of the stream that was
 current when it was allocated; once its tensors are gone it goes back to that pool, and the next
@@ -39,6 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_cudart import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, FakeCudart
+from offload_core.gather import HostCopy
 
 HOST = "host"
 COMPUTE = "compute"
@@ -157,6 +159,26 @@ class CheckedCudart(FakeCudart):
         return super().cudaHostUnregister(ptr)
 
 
+class CheckedHostCopy:
+    """The runtime's host copy, ``offload_core.gather.HostCopy`` (raw ``memmove`` by threads of its own, which
+    no dispatch mode sees), its accesses checked as the calling host thread's: the host's, or the worker's."""
+
+    def __init__(self, checker: "StreamChecker") -> None:
+        self.checker = checker
+        self._copy = HostCopy(threads=2)
+
+    def __call__(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        self.many([target], [source])
+
+    def many(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        checker = self.checker
+        accesses = [(*_span(inner), write) for tensors, write in ((sources, False), (targets, True))
+                    for t in tensors for inner in _inner_tensors(t) if inner.numel()]
+        checker._launch(checker.issuer, accesses, "host copy")
+        with checker.use_stream(Stream(checker, checker.issuer)):  # what it copies by torch: the same thread's
+            self._copy.many(targets, sources)
+
+
 class StreamChecker(TorchDispatchMode):
     """The engine's ``Runtime`` on the CPU, checking happens-before for every tracked access."""
 
@@ -179,6 +201,7 @@ class StreamChecker(TorchDispatchMode):
         self._regions: list[_Region] = []  # sorted by ``lo``
         self._live: list[tuple[_Block, StorageWeakRef]] = []
         self._pools: list[_Block] = []
+        self.host_copy = CheckedHostCopy(self)
 
     # --- Runtime ---------------------------------------------------------------------------
 
@@ -223,11 +246,6 @@ class StreamChecker(TorchDispatchMode):
         tensor = torch.frombuffer(block.memory, dtype=torch.uint8)[:nbytes]
         self._live.append((block, StorageWeakRef(tensor.untyped_storage())))
         return tensor
-
-    def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """A host thread's copy: its accesses are that thread's, ordered after what it has waited for."""
-        with self.use_stream(Stream(self, self.issuer)):
-            target.copy_(source)
 
     def submit(self, job) -> Future:
         """The gather worker runs ``job`` at once, as a thread of its own: ordered after what the host did
@@ -290,14 +308,18 @@ class StreamChecker(TorchDispatchMode):
             tensors = value if isinstance(value, (list, tuple)) else [value]
             accesses += [(*_span(inner), write) for t in tensors if isinstance(t, torch.Tensor)
                          for inner in _inner_tensors(t) if inner.numel()]
+        self._launch(self.current.name, accesses, str(func))
+
+    def _launch(self, stream: str, accesses: list[tuple[int, int, bool]], op: str) -> None:
+        """A kernel on ``stream`` (or a host thread's copy) making ``accesses`` (lo, hi, write): checked where
+        they touch tracked memory."""
         regions = [(lo, hi, write, found) for lo, hi, write in accesses if (found := self._overlapping(lo, hi))]
         if regions:
-            stream = self.current.name
             self._tick(stream)
             self.launches.append((stream, {r.name for *_, found in regions for r in found},
                                   {r.name for *_, write, found in regions if write for r in found}))
             for lo, hi, write, _ in regions:
-                self._access(stream, lo, hi, write, str(func))
+                self._access(stream, lo, hi, write, op)
 
     # --- vector clocks ---------------------------------------------------------------------
 
