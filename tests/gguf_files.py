@@ -70,6 +70,9 @@ Policy = Union["QType", Callable[[str, torch.Tensor], "QType"]]
 _QUANTIZATION_THRESHOLD = 1024
 # A quantized tensor whose last dimension no block divides is stored as rows of this many values.
 _ROW = 256
+# write_gguf's unused tensor: in no block and no layer, ComfyUI leaves it out of the model (an unexpected key).
+UNUSED_TENSOR = "unused_padding"
+UNUSED_ROW_BYTES = 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +188,14 @@ def mixed_policy(qtypes: Iterable[QType]) -> Callable[[str, torch.Tensor], QType
     return lambda key, tensor: QType.F32 if keeps_full_precision(key, tensor) else next(turn)
 
 
-def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], policy: Policy, arch: str, seed: int = 0) -> Path:
+def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], policy: Policy, arch: str, seed: int = 0,
+               unused_bytes: int = 0) -> Path:
     """Write ``state_dict`` (ComfyUI's keys) as a GGUF diffusion model of architecture ``arch``, each
-    tensor as ``policy`` says (a type is :func:`converter_policy` of it), whole or not at all."""
+    tensor as ``policy`` says (a type is :func:`converter_policy` of it), whole or not at all.
+
+    ``unused_bytes`` (whole rows of :data:`UNUSED_ROW_BYTES`) adds :data:`UNUSED_TENSOR`, F32, as the last
+    tensor, its data never written: a hole at the file's end (``truncate``), so that a file bigger than the
+    machine's memory takes no disk."""
     choose = converter_policy(policy) if isinstance(policy, QType) else policy
     generator = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path=None, arch=arch)
@@ -198,13 +206,21 @@ def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], policy: Policy, 
         if orig_shape is not None:
             writer.add_array(f"comfy.gguf.orig_shape.{key}", list(orig_shape))
         writer.add_tensor(key, data, raw_dtype=qtype)
+    rows = unused_bytes // UNUSED_ROW_BYTES
+    if rows:
+        writer.add_tensor_info(UNUSED_TENSOR, (rows, UNUSED_ROW_BYTES // 4), np.dtype(np.float32),
+                               rows * UNUSED_ROW_BYTES)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     writer.write_header_to_file(path=partial)
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for info in list(writer.tensors[0].values())[:len(state_dict)]:
+        writer.write_tensor_data(info.tensor)  # aligned, as write_tensors_to_file places them
+    end = writer.fout[0].tell()
     writer.close()
+    os.truncate(partial, end + rows * UNUSED_ROW_BYTES)
     os.replace(partial, path)
     return path
 

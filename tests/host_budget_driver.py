@@ -5,6 +5,8 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 
 - ``models``: a ComfyUI base folder with ``models/diffusion_models`` (see ``fixture_models.ModelDir``);
 - ``unet_name``: the file to load there;
+- ``gguf`` (optional): true to load it with ComfyUI-GGUF's Unet Loader (GGUF) in place of Load Diffusion Model
+  (``via`` ``plain`` or ``node``);
 - ``via``: ``plain`` (Load Diffusion Model), ``node`` (Load Diffusion Model, then Group Offload) or
   ``loader`` (Load Diffusion Model (Group Offload));
 - ``offload``: the offload node's inputs beside ``test_nodes.OFFLOAD_DEFAULTS`` (``host_memory``, ``host_gb``);
@@ -44,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 
+import gguf_files  # noqa: E402
 from comfy_boot import boot_comfyui_in_process, comfyui_path, comfyui_version  # noqa: E402
 from fixture_models import ModelDir, use_models_in_process, widen_qwen_detection  # noqa: E402
 from host_memory import rss_anon_bytes  # noqa: E402
@@ -97,7 +100,11 @@ def load(spec: dict[str, Any], anon: AnonMarks):
     offload = OFFLOAD_DEFAULTS | spec.get("offload", {})
     if spec["via"] == "loader":
         return run_node("GroupOffloadLoader", unet_name=spec["unet_name"], weight_dtype="default", **offload).outputs[0]
-    plain = run_node("UNETLoader", unet_name=spec["unet_name"], weight_dtype="default").outputs[0]
+    if spec.get("gguf"):
+        gguf_files.load_comfyui_gguf(boot_comfyui_in_process())
+        plain = run_node("UnetLoaderGGUF", unet_name=spec["unet_name"]).outputs[0]
+    else:
+        plain = run_node("UNETLoader", unet_name=spec["unet_name"], weight_dtype="default").outputs[0]
     if spec["via"] == "plain":
         return plain
     anon.mark("comfyui_loaded")
