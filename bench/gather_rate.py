@@ -7,15 +7,15 @@ one after the other into a staging buffer on a worker thread, as the gather work
 path, by two copies:
 
 - ``torch``: today's copy, ``Tensor.copy_`` tensor by tensor;
-- ``pieces``: ``offload_core.gather.HostCopy`` (memmove in pieces by a few threads, off the GIL and OpenMP);
+- ``HostCopy``: ``offload_core.gather.HostCopy`` (the whole group at once, memmove in chunks, off the GIL and OpenMP);
 
 each alone and while the main thread runs a matmul loop (the sampling thread computing meanwhile), each
 from a mapping made anew (every page faulted in by the gather) and from one already faulted in. Every
 round runs every case once, in turn; the figures are GB/s min / median / max over the rounds, and the
-ratio pieces/torch taken within a round.
+ratio HostCopy/torch taken within a round.
 
     .venv/bin/python bench/gather_rate.py                 # 7 rounds, prints a markdown table
-    .venv/bin/python bench/gather_rate.py --rounds 3 --mb 200
+    .venv/bin/python bench/gather_rate.py --rounds 3 --mb 200 --threads 2
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ def while_computing(measure: Callable[[], float]) -> float:
     return result[0]
 
 
-def run(megabytes: int, rounds: int) -> list[list[str]]:
-    copies = {"torch": torch_copy, "pieces": HostCopy()}
+def run(megabytes: int, rounds: int, threads: int | None) -> list[list[str]]:
+    copies = {"torch": torch_copy, "HostCopy": HostCopy(threads)}
     rates: dict[tuple[str, str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.bin"
@@ -134,11 +134,11 @@ def run(megabytes: int, rounds: int) -> list[list[str]]:
     rows = []
     for mapping in ("mapped anew", "faulted in"):
         for load in ("alone", "main thread computing"):
-            old, new = rates[(mapping, load, "torch")], rates[(mapping, load, "pieces")]
+            old, new = rates[(mapping, load, "torch")], rates[(mapping, load, "HostCopy")]
             ratio = [n / o for n, o in zip(new, old)]
             rows.append([mapping, load, _spread(old), _spread(new), _spread(ratio, "×")])
     print(f"{total / 1e6:.0f} MB in {len(blocks)} groups, {rounds} rounds, {os.cpu_count()} cores, "
-          f"torch threads {torch.get_num_threads()}, pieces by {copies['pieces'].threads} threads")
+          f"torch threads {torch.get_num_threads()}, HostCopy by {copies['HostCopy'].threads} thread(s)")
     return rows
 
 
@@ -150,9 +150,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=450, help="model file size in MB")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="HostCopy's threads (default: as the runtime chooses)")
     args = parser.parse_args()
-    rows = run(args.mb, args.rounds)
-    print(markdown_table(["mapping", "while", "torch GB/s (min / median / max)", "pieces GB/s", "pieces / torch"],
+    rows = run(args.mb, args.rounds, args.threads)
+    print(markdown_table(["mapping", "while", "torch GB/s (min / median / max)", "HostCopy GB/s", "HostCopy / torch"],
                          rows))
 
 
