@@ -1,8 +1,10 @@
 """The onload patch: a computation applied on the device to named weights after every onload (a LoRA),
 so that the host mirrors stay pristine.
 
-Where it runs is the transfers' business (``transfers.py``): queued after the copy that brought the
-group, on the stream that copy ran on, before the group's ``ready`` event.
+Where it runs is the transfers' business (``transfers.py``): on the compute stream, by the host thread,
+once the compute has waited for the copy that brought the group (its ``ready`` event), once per onload.
+Never on the copy stream: its temporaries would come from that stream's pool, which couples the streams
+under cudaMallocAsync.
 """
 from __future__ import annotations
 
@@ -14,9 +16,6 @@ from .group import ModuleGroup
 
 #: Computes a patched weight on the device from the freshly copied one (e.g. LoRA): (name, weight) -> weight.
 PatchFn = Callable[[str, torch.Tensor], torch.Tensor]
-
-#: A device tensor the patch rewrites, with the name the patch knows it by.
-PatchTarget = tuple[str, torch.Tensor]
 
 
 class OnloadPatch:
@@ -34,13 +33,11 @@ class OnloadPatch:
         self.device_bytes = device_bytes if wanted else 0
         self._bindings = {g.index: [i for i, n in enumerate(g.qualnames()) if n in wanted] for g in groups}
 
-    def targets(self, group: ModuleGroup) -> list[PatchTarget]:
-        """The device tensors of ``group`` the patch rewrites (the group shows its slab), by name."""
+    def apply(self, group: ModuleGroup) -> None:
+        """Rewrite the tensors of ``group`` the patch names (the group shows its slab) in place with its result
+        (queued on the current stream)."""
         if self._fn is None:
-            return []
-        return [(group.bindings[i].qualname, group.device_tensor(i)) for i in self._bindings[group.index]]
-
-    def apply(self, targets: list[PatchTarget]) -> None:
-        """Rewrite each target in place with the patch's result (queued on the current stream)."""
-        for qualname, tensor in targets:
-            tensor.copy_(self._fn(qualname, tensor))
+            return
+        for i in self._bindings[group.index]:
+            tensor = group.device_tensor(i)
+            tensor.copy_(self._fn(group.bindings[i].qualname, tensor))

@@ -1,7 +1,8 @@
 """The transfers: how a group's bytes reach its device buffer, and how the streams wait for them.
 
-A group is copied into a slab (a streamed group) or a buffer of its own (a resident one), and the onload
-patch rewrites its patched weights there. Three routes, by where the bytes come from:
+A group is copied into a slab (a streamed group) or a buffer of its own (a resident one); the onload
+patch rewrites its patched weights there once the compute stream has waited for the copy. Three routes,
+by where the bytes come from:
 
 - the device is the host: a plain copy, there and then;
 - a pinned packed mirror: one copy on the copy stream, in the host thread's own time (it does not block);
@@ -12,8 +13,13 @@ patch rewrites its patched weights there. Three routes, by where the bytes come 
 Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
 proves it on every test run):
 
-- ``group.ready``  recorded on the copy stream after the copy into the slab (and the patch after it);
-  the compute stream waits on it before the group runs (``wait_for``);
+- ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream waits
+  on it before the group runs, then applies the onload patch (``wait_for``): once per onload, on the
+  host thread, whichever route the copy took;
+- the copy stream allocates nothing  (the patch's temporaries come from the compute stream's pool).
+  Under cudaMallocAsync torch lets the pool hand memory freed on one stream to another behind an
+  internal dependency: a block freed on the copy stream, handed to the compute stream, would order the
+  compute after whatever the copy stream queued meanwhile (the next group's copy), unseen;
 - a slab's "released" event  recorded on the compute stream when the group that read the slab has
   run (``SlabPool.release``); the copy stream waits on it before it overwrites the slab (``take``);
 - fresh device memory  comes from the compute stream's pool of the caching allocator, where
@@ -38,7 +44,7 @@ import torch
 from .group import ModuleGroup
 from .ledger import TransferLedger
 from .mirror import Pinner
-from .onload_patch import OnloadPatch, PatchTarget
+from .onload_patch import OnloadPatch
 from .pinning import HostPins
 from .runtime import Runtime
 from .slabs import SlabPool
@@ -74,6 +80,7 @@ class Transfers:
         try:
             if self.runtime is None:
                 self._copy_into(group, slab, non_blocking=False)
+                self._apply_patch(group)  # (no streams: it runs after the copy, as everything does)
             elif self.staged(group):
                 self._submit_staged_copy(group, slab)
                 self._read_ahead(upcoming)
@@ -100,11 +107,16 @@ class Transfers:
         """Whether copying ``group`` holds the host thread until the copy is done (from pageable memory)."""
         return self.runtime is not None and not group.mirror.pinned and not self.staged(group)
 
-    def _abandon_onload(self, group: ModuleGroup, slab: torch.Tensor) -> None:
-        """A failed onload (its patch raised, say): the group computes from its mirror again."""
+    def _abandon_onload(self, group: ModuleGroup, slab: torch.Tensor, computed: bool = False) -> None:
+        """A failed onload (its copy or its patch raised, say): the group computes from its mirror again.
+        ``computed``: the compute stream wrote the slab too (a patch that failed part way)."""
         self.finish_copies()  # the slab may be reused or freed only after the copy into it
         group.offload_()
-        if not group.resident:
+        if group.resident:
+            return
+        if computed:
+            self.slabs.release(slab)  # the next copy into it waits for the patch's kernels
+        else:
             self.slabs.put_back(slab)
 
     def _read_ahead(self, upcoming: list[ModuleGroup]) -> None:
@@ -122,24 +134,27 @@ class Transfers:
             if not group.mirror.packed:
                 self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
             group.show(slab)
-            self._patch.apply(self._patch.targets(group))
         self.ledger.record_copy(group.nbytes)
+
+    def _apply_patch(self, group: ModuleGroup) -> None:
+        """The onload patch on ``group``'s freshly copied weights, on the current stream (the compute's)."""
+        with self._inference_mode():
+            self._patch.apply(group)
 
     def _submit_staged_copy(self, group: ModuleGroup, slab: torch.Tensor) -> None:
         """Hand ``group`` to the gather worker; the modules see the slab now, the compute waits for
         ``ready`` before it runs."""
         group.show(slab)
         ring = self.pins.staging
-        job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), self._patch.targets(group),
-                                torch.is_inference_mode_enabled())
+        job = functools.partial(self._staged_copy, group, slab, ring, ring.claim(), torch.is_inference_mode_enabled())
         group.pending = self.runtime.submit(job)
 
     def _staged_copy(self, group: ModuleGroup, slab: torch.Tensor, ring: StagingRing, index: int,
-                     patch_targets: list[PatchTarget], inference: bool) -> object:
+                     inference: bool) -> object:
         """The gather worker's job: ``group``'s bytes into ``ring``'s buffer ``index``, then queued to ``slab``
-        on the copy stream with the patch after them; returns the event the copies are done at. It runs in
-        inference mode where the host submitted it so (``inference``), as the views the patch writes were
-        made there."""
+        on the copy stream; returns the event the copy is done at (the patch is the host's, in ``wait_for``).
+        It runs in inference mode where the host submitted it so (``inference``), as the views it writes
+        may have been made there."""
         _THREAD.job = True
         try:
             with torch.inference_mode(inference or self._inference), self.runtime.use_stream(self.copy_stream):
@@ -151,7 +166,6 @@ class Transfers:
                 group.fill(slab, non_blocking=True, source=staged)
                 ring.sent(index, self.copy_stream)
                 self.ledger.record_copy(group.nbytes, staged=True)
-                self._patch.apply(patch_targets)
                 ready = self.runtime.new_event()
                 ready.record(self.copy_stream)
             return ready
@@ -174,8 +188,8 @@ class Transfers:
         return True
 
     def take_ready(self, group: ModuleGroup, raising: bool = True) -> None:
-        """The ready event of ``group``'s staged copy, once the worker has queued it. A failed job (its patch
-        ran out of memory, say) drops the group from the device, as a failed onload does: it computes from its
+        """The ready event of ``group``'s staged copy, once the worker has queued it. A failed job (a read
+        error in its gather, say) drops the group from the device, as a failed onload does: it computes from its
         mirror until its next onload copies it again."""
         pending, group.pending = group.pending, None
         try:
@@ -187,7 +201,9 @@ class Transfers:
             log.debug("a staged copy failed; its group is dropped from the device", exc_info=True)
 
     def wait_for(self, group: ModuleGroup) -> None:
-        """The compute stream waits for the copy into ``group``'s slab (its worker job queued already)."""
+        """The compute stream waits for the copy into ``group``'s slab (its worker job queued already), then
+        applies the onload patch there. A patch that fails (out of memory) drops the group from the device,
+        as a failed onload does."""
         stream = self.runtime.current_stream()
         start, end = self.runtime.new_event(enable_timing=True), self.runtime.new_event(enable_timing=True)
         start.record(stream)
@@ -195,6 +211,11 @@ class Transfers:
         end.record(stream)
         self.ledger.record_wait(start, end)
         group.ready = None
+        try:
+            self._apply_patch(group)
+        except BaseException:
+            self._abandon_onload(group, group.slab, computed=True)
+            raise
 
     def offload(self, group: ModuleGroup) -> None:
         """Point ``group`` back at its mirror and free its slab once the compute that read it has run."""

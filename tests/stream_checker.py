@@ -26,10 +26,16 @@ from another stream must first be ordered after the kernels that used it last. `
 that nothing of another stream may still touch pooled memory, which any kernel of its own stream may
 have been handed since it was freed. ``out_of_memory_at`` makes chosen allocations fail as a full
 device fails them.
+
+``allocations_on`` counts the allocations made while each stream was current: the device allocations and
+every op that computes a fresh tensor from device memory (on CUDA, memory from that stream's pool). One made on a copy stream
+couples the streams under cudaMallocAsync, whose pool hands memory freed on one stream to another after
+an internal wait, so the engine's copy streams allocate nothing.
 """
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fake_cudart import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, FakeCudart
 from offload_core.gather import HostCopy
@@ -194,6 +201,7 @@ class StreamChecker(TorchDispatchMode):
         self.launches: list[tuple[str, set[str], set[str]]] = []  # (stream, regions touched, regions written), in order
         self.cudart = CheckedCudart(self)
         self.allocations = 0
+        self.allocations_on: Counter[str] = Counter()  # stream current at an allocation -> allocations
         self.allocation_attempts = 0
         self.out_of_memory_at: set[int] = set()  # allocation attempts (0, 1, ...) that raise torch.OutOfMemoryError
         self.reuses = 0
@@ -243,6 +251,7 @@ class StreamChecker(TorchDispatchMode):
             block = _Block(self._track(f"device block {len(self._live) + len(self._pools)}", lo, lo + len(memory)),
                            memory, stream)
         self.allocations += 1
+        self.allocations_on[stream] += 1
         tensor = torch.frombuffer(block.memory, dtype=torch.uint8)[:nbytes]
         self._live.append((block, StorageWeakRef(tensor.untyped_storage())))
         return tensor
@@ -289,6 +298,8 @@ class StreamChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._kernel(func, args, kwargs)
+        if _returns_fresh_tensors(func) and self._reads_device_memory(args, kwargs):
+            self.allocations_on[self.current.name] += 1
         return func(*args, **kwargs)
 
     def _kernel(self, func, args: tuple, kwargs: dict) -> None:
@@ -320,6 +331,11 @@ class StreamChecker(TorchDispatchMode):
                                   {r.name for *_, write, found in regions if write for r in found}))
             for lo, hi, write, _ in regions:
                 self._access(stream, lo, hi, write, op)
+
+    def _reads_device_memory(self, args: tuple, kwargs: dict) -> bool:
+        tensors = [inner for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                   for inner in _inner_tensors(t) if inner.numel()]
+        return any(r.name.startswith("device") for t in tensors for r in self._overlapping(*_span(t)))
 
     # --- vector clocks ---------------------------------------------------------------------
 
@@ -385,6 +401,13 @@ class StreamChecker(TorchDispatchMode):
             else:
                 live.append((block, storage))
         self._live = live
+
+
+def _returns_fresh_tensors(func) -> bool:
+    """Whether ``func`` returns tensors of its own: memory it allocates, neither a view nor its ``out``."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is None for r in returns) and any(
+        "Tensor" in str(r.type) for r in returns)
 
 
 def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -29,33 +29,44 @@ def doubled(reference) -> None:
     reference.blocks[2].attn.weight.data.mul_(2)
 
 
-class FailingPatch:
-    """Doubles a weight; its first ``failures`` calls run out of device memory instead."""
+def on_each_gather(group, action) -> None:
+    """Run ``action`` at each gather of ``group`` (on the gather worker), before its bytes are read."""
+    gather_into = group.gather_into
 
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
+    def gather_after_action(*args, **kwargs):
+        action()
+        return gather_into(*args, **kwargs)
 
-    def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        if self.failures:
-            self.failures -= 1
-            raise torch.OutOfMemoryError("out of device memory in the patch (test)")
-        return weight * 2
+    group.gather_into = gather_after_action
+
+
+class FailingOnce:
+    """A gather's read error, the first time only."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(self) -> None:
+        if not self.failed:
+            self.failed = True
+            raise OSError("read error in the gather (test)")
 
 
 # --- a failed gather job -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("resident", [True, False])
 def test_a_failed_gather_job_drops_its_group_from_the_device(tmp_path, checker, resident):
-    """Groups kept in place reach the device through the gather worker. When its job fails (here the
-    patch on the worker), the group is dropped: the next call copies and patches it again, ordered."""
+    """Groups kept in place reach the device through the gather worker. When its job fails (here its
+    gather), the group is dropped: the next call copies and patches it again, ordered."""
     reference, offloaded, x = mapped_pair(tmp_path)
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, host_budget=0,
                                  resident_bytes=host_bytes(offloaded) if resident else 0)
-    handle.set_onload_patch(FailingPatch(failures=1), [PATCHED])
+    handle.set_onload_patch(lambda name, weight: weight * 2, [PATCHED])
+    on_each_gather(handle.groups[2], FailingOnce())
     doubled(reference)
     with torch.inference_mode():
         expected = reference(x)
-        with pytest.raises(torch.OutOfMemoryError, match="in the patch"):
+        with pytest.raises(OSError, match="in the gather"):
             offloaded(x)
         assert not handle.groups[2].onloaded, "dropped from the device"
         for _ in range(2):
@@ -231,20 +242,19 @@ def test_a_handle_removed_by_a_finalizer_on_the_gather_worker_does_not_wait_for_
     weakref.finalize(owner[0], handle.remove)  # as the nodes' finalizer of the last patcher
     forward_done, onloads = threading.Event(), []
 
-    def collect_on_the_worker(name, weight):
-        onloads.append(name)
+    def collect_on_the_worker():
+        onloads.append(threading.current_thread())
         if len(onloads) == 3:  # the copy queued at the end of the second pass, for the next one
             forward_done.wait(timeout=60)
             owner.clear()  # the owner goes: its finalizer runs here, on the worker, inside this job
-        return weight
 
-    handle.set_onload_patch(collect_on_the_worker, ["blocks.0.attn.weight"])
+    on_each_gather(handle.groups[0], collect_on_the_worker)
     with torch.inference_mode():
         for _ in range(2):  # the second pass ends by prefetching the first group: a job queued for the next
             assert torch.equal(offloaded(x), reference(x))
     forward_done.set()
     runtime.settle()
-    assert not owner, "the finalizer ran (on the worker)"
+    assert not owner and onloads[-1] is not threading.main_thread(), "the finalizer ran (on the worker)"
     assert runtime.self_waits == 0
     assert handle_of(offloaded.blocks[0]) is None and "forward" not in offloaded.blocks[0].__dict__, "removed"
     with torch.inference_mode():

@@ -1,0 +1,105 @@
+"""Where the onload patch (a LoRA) runs (issue 32 item 3): on the compute stream, once it has waited for
+its group's copy, once per onload, for the direct copy from a pinned mirror and for the gather worker's
+staged copy alike. Nothing allocates on the copy stream: under cudaMallocAsync a block freed there and
+handed to the compute stream would order the compute after the next group's copy, unseen.
+
+Under the stream checker (tests/stream_checker.py), which counts the allocations made on each stream.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from offload_core import apply_group_offload
+from stream_checker import COMPUTE
+from test_core_engine import make_pair
+from test_core_in_place import host_bytes, mapped_pair
+
+PATCHED = ["blocks.2.attn.weight", "blocks.2.mlp.0.weight", "blocks.5.mlp.0.bias"]
+STEPS = 3
+
+
+class LowRankPatch:
+    """A LoRA's shape of patch (``w + up @ down``, temporaries and all), counting its calls by name;
+    its call number ``failing`` runs out of device memory instead (after the earlier ones wrote their weights)."""
+
+    def __init__(self, failing: int | None = None) -> None:
+        self.calls: Counter[str] = Counter()
+        self._failing = failing
+
+    def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        if sum(self.calls.values()) == self._failing:
+            self._failing = None
+            raise torch.OutOfMemoryError("out of device memory in the patch (test)")
+        self.calls[name] += 1
+        return weight + _delta(name, weight)
+
+
+def _delta(name: str, weight: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(len(name))
+    rows = weight.reshape(weight.shape[0], -1)
+    up = torch.randn(rows.shape[0], 2, generator=generator, dtype=weight.dtype)
+    down = torch.randn(2, rows.shape[1], generator=generator, dtype=weight.dtype)
+    return (up @ down).reshape(weight.shape)
+
+
+def patched(reference) -> None:
+    for name, weight in reference.named_parameters():
+        if name in PATCHED:
+            weight.data.add_(_delta(name, weight.data))
+
+
+def offloaded_on_a_route(tmp_path, checker, route: str, resident: bool):
+    """``direct``: pinned packed mirrors, copied on the copy stream by the host thread; ``staged``: groups
+    kept in place, gathered and copied by the gather worker. ``resident``: half the groups stay on the device."""
+    reference, offloaded, x = make_pair("cpu") if route == "direct" else mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, prefetch=1,
+                                 resident_bytes=host_bytes(offloaded) // 2 if resident else 0,
+                                 host_budget=None if route == "direct" else 0)
+    assert handle._transfers.staged(handle.groups[2]) == (route == "staged")
+    return reference, offloaded, x, handle
+
+
+ROUTES = pytest.mark.parametrize("route,resident", [("direct", False), ("direct", True), ("staged", False),
+                                                    ("staged", True)])
+
+
+@ROUTES
+def test_the_patch_runs_on_the_compute_stream_once_per_onload(tmp_path, checker, route, resident):
+    reference, offloaded, x, handle = offloaded_on_a_route(tmp_path, checker, route, resident)
+    patch = LowRankPatch()
+    handle.set_onload_patch(patch, PATCHED)
+    patched(reference)
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(STEPS):
+            assert torch.equal(offloaded(x), expected)
+    copy_stream = handle._transfers.copy_stream.name
+    assert checker.allocations_on[copy_stream] == 0, "nothing allocated while the copy stream was current"
+    assert checker.allocations_on[COMPUTE] > 0
+    group_of = {name: handle.groups[int(name.split(".")[1])] for name in PATCHED}
+    assert any(g.resident for g in group_of.values()) == resident
+    assert patch.calls == {name: 1 if group.resident else STEPS for name, group in group_of.items()}, \
+        "a resident group patched at its onload, a streamed one at each"
+    handle.set_onload_patch(None)
+    assert torch.equal(offloaded(x), make_pair("cpu")[0](x)), "the host mirrors stayed pristine"
+    handle.remove()
+
+
+@ROUTES
+def test_a_patch_failing_on_the_compute_stream_drops_its_group(tmp_path, checker, route, resident):
+    """Its second weight runs out of memory after the first one was written: the group computes from its
+    mirror again, its buffer reused only after the patch's kernels; the next call copies and patches it anew."""
+    reference, offloaded, x, handle = offloaded_on_a_route(tmp_path, checker, route, resident)
+    handle.set_onload_patch(LowRankPatch(failing=1), PATCHED)
+    patched(reference)
+    with torch.inference_mode():
+        expected = reference(x)
+        with pytest.raises(torch.OutOfMemoryError, match="in the patch"):
+            offloaded(x)
+        assert not handle.groups[2].onloaded, "dropped from the device"
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+    handle.remove()
