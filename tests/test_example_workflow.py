@@ -60,8 +60,6 @@ SMALL_SIZES = {"EmptySD3LatentImage": {"width": 64, "height": 64},
 STEPS = 2
 STREAM_EVERY_GROUP = {"residency": "stream_all"}
 GGUF_LOADERS = {"UnetLoaderGGUF", "UnetLoaderGGUFAdvanced"}  # ComfyUI-GGUF's
-# Until Group Offload streams GGUF models (issue 31) it refuses them: the GGUF template cannot run yet.
-NEEDS_GGUF_STREAMING = pytest.mark.xfail(reason="Group Offload does not stream GGUF models yet (issue 31)")
 
 
 def template_id(path) -> str:
@@ -216,8 +214,7 @@ def headless_prompt(workflow: dict, object_info: dict) -> dict[str, dict]:
     return prompt
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=NEEDS_GGUF_STREAMING) if "gguf" in p.stem else p
-                                  for p in TEMPLATES], ids=template_id)
+@pytest.mark.parametrize("path", TEMPLATES, ids=template_id)
 def test_example_workflow_runs_headless_with_stand_ins(stand_in_server: ComfyServer, path):
     workflow = load(path)
     needs_comfyui_gguf(workflow)

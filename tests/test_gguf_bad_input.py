@@ -5,10 +5,11 @@ Offload -> KSampler. Each fails as one clear node error, the server keeps runnin
 - a ``.gguf`` file cut short: ComfyUI-GGUF's loader fails on it before the model reaches Group Offload;
 - a ``.gguf`` file cut short under a model that streams from it: the next run fails before a page past its
   end is read, and runs again once the file is whole;
-- a tensor type ComfyUI-GGUF does not dequantize (``gguf_files.UNKNOWN_TYPE``): Group Offload refuses the
-  model, naming the weight and its type;
-- a weight that is a tensor subclass, neither ComfyUI-GGUF's nor a wrapper subclass: Group Offload refuses
-  it, naming the weight and its class (``GroupOffloadTestPlainSubclass`` makes one).
+- a tensor type ComfyUI-GGUF does not dequantize (``gguf_files.UNKNOWN_TYPE``): the model streams, and
+  sampling fails at KSampler with ComfyUI-GGUF's own error, as without Group Offload, its pins given back;
+- a weight that is a tensor subclass its bytes and attributes cannot rebuild (neither ComfyUI-GGUF's kind nor
+  a wrapper subclass): Group Offload refuses it, naming the weight, its class and why
+  (``GroupOffloadTestPlainSubclass`` makes one).
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.skipif(gguf_files.comfyui_gguf_missing() is not None,
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "resident_gb": 0.0}
 IN_PLACE = OFFLOAD | {"host_memory": "budget", "host_gb": 0.0}  # every group streams from the file's pages
 VALID = "tiny_qwen_image_Q8_0.gguf"
-# Until Group Offload streams GGUF models (issue 31) it refuses every one of them with one message.
-NEEDS_GGUF_STREAMING = pytest.mark.xfail(reason="Group Offload does not stream GGUF models yet (issue 31)")
 
 
 @pytest.fixture(scope="module")
@@ -89,39 +88,36 @@ def test_a_gguf_file_cut_short_fails_at_its_loader(gguf_server: ComfyServer):
     assert_the_server_runs_on(gguf_server, seed=2)
 
 
-@NEEDS_GGUF_STREAMING
-def test_a_tensor_type_comfyui_gguf_does_not_dequantize_is_refused_by_name(gguf_server: ComfyServer):
+def test_a_tensor_type_comfyui_gguf_does_not_dequantize_fails_at_the_sampler_as_without_the_node(
+        gguf_server: ComfyServer):
     name, weight = "unknown_type.gguf", "transformer_blocks.0.img_mlp.net.2.weight"
     converter = gguf_files.converter_policy(gguf_files.QType.Q8_0)
     gguf_files.write_tiny_gguf(diffusion_models(gguf_server.base_dir) / name, policy=lambda key, tensor: (
         gguf_files.UNKNOWN_TYPE if key == weight else converter(key, tensor)))
-    unknown = gguf_files.UNKNOWN_TYPE.name
 
     plain = gguf_prompt(name, seed=3)
     plain["6"]["inputs"]["model"] = ["1", 0]  # ComfyUI-GGUF alone fails only once it samples (its model loaded)
-    messages = gguf_server.wait(gguf_server.queue(plain), check=False)["status"]["messages"]
-    error = next(m[1] for m in messages if m[0] == "execution_error")
-    assert error["node_type"] == "KSampler" and unknown in error["exception_message"]
+    alone = node_error(gguf_server, plain)
+    assert alone["node_type"] == "KSampler" and gguf_files.UNKNOWN_TYPE.name in alone["exception_message"]
 
     error = node_error(gguf_server, gguf_prompt(name, seed=4))
-    assert error["node_type"] == "GroupOffload" and error["exception_type"].endswith("ValueError")
-    message = error["exception_message"]
-    assert weight in message and unknown in message and "\n" not in message.rstrip("\n")
+    assert error["node_type"] == "KSampler"
+    assert (error["exception_type"], error["exception_message"]) == (alone["exception_type"],
+                                                                     alone["exception_message"])
     assert_the_server_runs_on(gguf_server, seed=5)
 
 
-@NEEDS_GGUF_STREAMING
 def test_a_weight_of_another_tensor_subclass_is_refused_by_name(gguf_server: ComfyServer):
     name = "plain_subclass.gguf"  # a model of its own: the test node changes one of its weights for good
     shutil.copyfile(diffusion_models(gguf_server.base_dir) / VALID, diffusion_models(gguf_server.base_dir) / name)
     error = node_error(gguf_server, gguf_prompt(name, seed=6, between=("GroupOffloadTestPlainSubclass", {})))
-    assert error["node_type"] == "GroupOffload" and error["exception_type"].endswith("ValueError")
+    assert error["node_type"] == "GroupOffload" and error["exception_type"].endswith(".UnpackableTensorError")
     message = error["exception_message"]
-    assert "transformer_blocks.0." in message and "PlainSubclass" in message and "wrapper" in message
+    assert "img_mod.1.weight is a PlainSubclass, " in message  # (the block's first Linear, the one it changed)
+    assert "its attribute scale is a tensor" in message and "\n" not in message.rstrip("\n")
     assert_the_server_runs_on(gguf_server, seed=7)
 
 
-@NEEDS_GGUF_STREAMING
 def test_a_gguf_file_cut_short_under_its_streaming_model_fails_the_next_run_only(gguf_server: ComfyServer):
     """Last here: were a page past the file's end ever read, the server would die of SIGBUS."""
     name = "cut_short_later.gguf"
