@@ -146,5 +146,4 @@ def write_results(config: BenchConfig, families: dict[str, dict[str, Any]], seco
         {"config": asdict(config), "facts": facts, "families": families, "rows": rows, "traces": traces,
          "seconds": seconds, "chart": chart}, indent=1))
     (out / "gpu_results.md").write_text(markdown + "\n")
-    print(markdown)
     return 1 if errors else 0
