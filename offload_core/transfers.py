@@ -6,9 +6,10 @@ by where the bytes come from:
 
 - the device is the host: a plain copy, there and then;
 - a pinned packed mirror: one copy on the copy stream, in the host thread's own time (it does not block);
-- a group kept in place, or a packed mirror pinning refused (``staged``): the gather worker copies its
-  bytes into a buffer of the staging ring and queues the copy from there on the copy stream
-  (``staging.py``); the group's ``pending`` future yields the ``ready`` event once the worker queued it.
+- a group kept in place, a packed mirror pinning refused, or a resident one where there is a ring
+  (``staged``): the gather worker copies its bytes into a buffer of the staging ring and queues the copy
+  from there on the copy stream (``staging.py``); the group's ``pending`` future yields the ``ready``
+  event once the worker queued it.
 
 Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
 proves it on every test run):
@@ -99,9 +100,9 @@ class Transfers:
             self.ledger.sync_onloads += 1
 
     def staged(self, group: ModuleGroup) -> bool:
-        """Whether ``group`` reaches the device through the staging ring: kept in place, or streamed from a
-        packed mirror pinning refused."""
-        return self.pins.staging is not None and (not group.mirror.packed or not group.resident and not group.mirror.pinned)
+        """Whether ``group`` reaches the device through the staging ring, where there is one: every group but a
+        pinned packed one (kept in place, pinning refused, or resident: a resident group is never pinned)."""
+        return self.pins.staging is not None and not group.mirror.pinned
 
     def blocks_the_host(self, group: ModuleGroup) -> bool:
         """Whether copying ``group`` holds the host thread until the copy is done (from pageable memory)."""

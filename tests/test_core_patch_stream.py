@@ -103,3 +103,29 @@ def test_a_patch_failing_on_the_compute_stream_drops_its_group(tmp_path, checker
         for _ in range(2):
             assert torch.equal(offloaded(x), expected)
     handle.remove()
+
+
+def test_resident_packed_groups_load_through_the_staging_ring(tmp_path, checker):
+    """Where there is a staging ring (groups kept in place by the host budget), the resident groups with a
+    packed, never pinned, mirror load through it too (issue 32 item 5): at the pinned rate, the host thread
+    not held by a copy from pageable memory; ordered and bit-identical, patch and all."""
+    reference, offloaded, x = mapped_pair(tmp_path)
+    total = host_bytes(offloaded)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, prefetch=1,
+                                 host_budget=total * 5 // 6, resident_bytes=total // 2)
+    resident_packed = [g for g in handle.groups if g.resident and g.mirror.packed]
+    assert resident_packed and any(not g.mirror.packed for g in handle.groups), "a ring, and a group for it"
+    transfers = handle._transfers
+    assert all(transfers.staged(g) and not transfers.blocks_the_host(g) for g in resident_packed)
+    handle.set_onload_patch(LowRankPatch(), PATCHED)
+    patched(reference)
+    with torch.inference_mode():
+        expected = reference(x)
+        jobs = checker.jobs
+        handle.onload_resident()
+        assert checker.jobs - jobs == sum(g.resident for g in handle.groups), "every resident group by the worker"
+        for _ in range(STEPS):
+            assert torch.equal(offloaded(x), expected)
+    assert checker.allocations_on[transfers.copy_stream.name] == 0
+    handle.remove()
+    assert checker.cudart.registered == {}
