@@ -149,7 +149,8 @@ def craft_blocks(values: np.ndarray, qtype: QType, generator: np.random.Generato
     return blocks.reshape(*values.shape[:-1], -1)
 
 
-def encode(tensor: torch.Tensor, qtype: QType, generator: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...] | None]:
+def encode(tensor: torch.Tensor, qtype: QType,
+           generator: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...] | None]:
     """The data GGUFWriter stores for ``tensor`` as ``qtype``, and its original shape where it is stored as
     rows of 256 values (its last dimension not a multiple of the block size), else None."""
     values = tensor.detach().to(torch.float32).cpu().numpy()
