@@ -32,6 +32,8 @@ each group kept in place (``in_place_group_bytes``); the ComfyUI and torch versi
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import subprocess
@@ -144,11 +146,30 @@ class ModelCalls:
             self.box_stats.append(box_stats(self._box))
 
 
+_MADV_DONTNEED = 4
+
+
+def _unmap_pages_of(path: Path) -> None:
+    """This process's page-table entries for ``path``'s mappings, dropped (the pages stay in the page cache)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    target = os.stat(path)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        read_only = len(fields) == 6 and "w" not in fields[1]  # (a written private page would be lost)
+        if read_only and fields[4] == str(target.st_ino) and fields[5] == str(Path(path).resolve()):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+                raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) on a mapping of {path}")
+
+
 def evict_page_cache(path: Path, method: str) -> None:
     """Make the page cache cold for the file at ``path``: ``drop_caches`` drops the clean pages of the whole
     machine's page cache (``sync; echo 1 > /proc/sys/vm/drop_caches``), ``fadvise`` those of this file only
-    (fsync, then ``POSIX_FADV_DONTNEED``). Neither drops a page some process has mapped: on the loader's path
-    those of the groups packed at load and of the vectors it read."""
+    (fsync, then ``POSIX_FADV_DONTNEED``). Neither drops a page some process has mapped, so this process's own
+    mappings of the file let go of their pages first (``MADV_DONTNEED``: a file mapping reads them again from the
+    file when touched), as memory pressure would: the loader's mapping holds the pages loading touched (the
+    vectors read at once, the groups packed at load), which on a small model are most of the file."""
+    _unmap_pages_of(path)
     if method == "drop_caches":
         os.sync()
         DROP_CACHES.write_text("1")
