@@ -160,7 +160,9 @@ def main(argv: list[str]) -> int:
             families[family] = {"rows": [], "facts": {}, "traces": [], "error": "skipped: the time budget is spent"}
         else:
             share = left if args.smoke else min(left, FAMILY_SECONDS[family] * stretch)
-            env = {} if family in ("baselines", "lora-native") else comfy_env
+            # the native allocator's rows clear the variable: a caller's own setting must not leak into them
+            native = {"PYTORCH_CUDA_ALLOC_CONF": ""}
+            env = native if family in ("baselines", "lora-native") else comfy_env
             families[family] = FamilyRun(family, config, args.out, env).run(share)
         # after every family, so that an outer timeout (the GPU kit's) loses no finished family's table
         status = write_results(config, families, time.monotonic() - started, args.out)
