@@ -16,6 +16,7 @@ from offload_core import apply_group_offload
 from stream_checker import COMPUTE
 from test_core_engine import make_pair
 from test_core_in_place import host_bytes, mapped_pair
+from test_core_transfers import fails_then_recovers
 
 PATCHED = ["blocks.2.attn.weight", "blocks.2.mlp.0.weight", "blocks.5.mlp.0.bias"]
 STEPS = 3
@@ -95,14 +96,7 @@ def test_a_patch_failing_on_the_compute_stream_drops_its_group(tmp_path, checker
     reference, offloaded, x, handle = offloaded_on_a_route(tmp_path, checker, route, resident)
     handle.set_onload_patch(LowRankPatch(failing=1), PATCHED)
     patched(reference)
-    with torch.inference_mode():
-        expected = reference(x)
-        with pytest.raises(torch.OutOfMemoryError, match="in the patch"):
-            offloaded(x)
-        assert not handle.groups[2].onloaded, "dropped from the device"
-        for _ in range(2):
-            assert torch.equal(offloaded(x), expected)
-    handle.remove()
+    fails_then_recovers(handle, reference, offloaded, x, torch.OutOfMemoryError, "in the patch")
 
 
 def test_resident_packed_groups_load_through_the_staging_ring(tmp_path, checker):

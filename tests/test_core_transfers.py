@@ -64,9 +64,15 @@ def test_a_failed_gather_job_drops_its_group_from_the_device(tmp_path, checker, 
     handle.set_onload_patch(lambda name, weight: weight * 2, [PATCHED])
     on_each_gather(handle.groups[2], FailingOnce())
     doubled(reference)
+    fails_then_recovers(handle, reference, offloaded, x, OSError, "in the gather")
+
+
+def fails_then_recovers(handle, reference, offloaded, x, error: type[BaseException], match: str) -> None:
+    """The first call fails with ``error`` while group 2 is onloaded, which leaves it dropped from the device; the
+    next calls compute ``reference``'s output again. Removes the handle."""
     with torch.inference_mode():
         expected = reference(x)
-        with pytest.raises(OSError, match="in the gather"):
+        with pytest.raises(error, match=match):
             offloaded(x)
         assert not handle.groups[2].onloaded, "dropped from the device"
         for _ in range(2):
