@@ -262,9 +262,11 @@ def _replace(module: nn.Module, table: dict, attr: str, parts: list[torch.Tensor
     """``table[attr]`` becomes a tensor over ``parts`` (a quantized weight's, rebuilt), as ComfyUI made it."""
     tensor = table[attr]
     flat = flatten(tensor)[0]
-    replaced = parts[0] if flat is None else flat.rebuild(parts)
+    with torch.inference_mode(tensor.is_inference()):  # of its kind: torch picks kernels by it too
+        replaced = parts[0] if flat is None else flat.rebuild(parts)
+        if table is module._parameters:
+            replaced = nn.Parameter(replaced, requires_grad=tensor.requires_grad)
     if table is module._parameters:
-        replaced = nn.Parameter(replaced, requires_grad=False)
         for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
             replaced.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
     table[attr] = replaced

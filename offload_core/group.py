@@ -282,7 +282,10 @@ class ModuleGroup:
         views costs more than the whole re-pointing."""
         key = slab.data_ptr()
         if key not in self._views:
-            self._views[key] = (slab[: self.nbytes], segment_views(slab, self.mirror.segments))
+            # Views made under inference mode are inference tensors (the runs are): of the tensors' own kind
+            # instead, or torch may take another kernel for them than for ComfyUI's weights (see ``__init__``).
+            with torch.inference_mode(self.inference):
+                self._views[key] = (slab[: self.nbytes], segment_views(slab, self.mirror.segments))
         return self._views[key]
 
     def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
