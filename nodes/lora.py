@@ -58,8 +58,10 @@ class BlockPatches:
     then; a clone with other patches makes ComfyUI unpatch and load again.
     """
 
-    def __init__(self, model: nn.Module, patches: dict[str, list], device: torch.device) -> None:
+    def __init__(self, model: nn.Module, patches: dict[str, list], device: torch.device,
+                 compute_dtype: torch.dtype) -> None:
         self._model = weakref.ref(model)  # the handle lives on the model: no reference cycle through it
+        self._compute_dtype = compute_dtype
         #: the patched weights whose bytes are not their values: the model's own patcher patches them
         self.encoded = [key for key in patches if _encoded(comfy.utils.get_attr(model, key))]
         computed = patches.keys() - set(self.encoded)
@@ -85,7 +87,7 @@ class BlockPatches:
     def __call__(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` patched exactly as ComfyUI's own load patches it."""
         _, set_func, convert_func = get_key_weight(self._model(), key)
-        temp = mm.cast_to_device(weight, weight.device, _lora_dtype(weight.device), copy=True)
+        temp = mm.cast_to_device(weight, weight.device, self._compute_dtype, copy=True)
         if convert_func is not None:  # a quantized weight: dequantized
             temp = convert_func(temp, inplace=True)
         out = comfy.lora.calculate_weight(self._patches[key], temp, key)
@@ -95,6 +97,21 @@ class BlockPatches:
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=seed)
 
 
+def patch_compute_dtype(patcher: ModelPatcher, device: torch.device) -> torch.dtype:
+    """The dtype the model's own patcher computes a patched weight in, so that the pack's patch is its patch:
+    ComfyUI's asks ``lora_compute_dtype`` (newest ComfyUI: float16 on fp16-capable cards); a patcher that
+    patches weights its own way (ComfyUI-GGUF's, and the patchers derived from ComfyUI's before it had a
+    LoRA dtype) computes in float32."""
+    return _lora_dtype(device) if not _patches_its_own_way(patcher) else torch.float32
+
+
+def _patches_its_own_way(patcher: ModelPatcher) -> bool:
+    """Whether the patcher behind the pack's own class overrides ComfyUI's ``patch_weight_to_device``."""
+    owner = next(cls for cls in type(patcher).__mro__
+                 if "patch_weight_to_device" in vars(cls) and not cls.__module__.startswith(__package__))
+    return owner is not ModelPatcher
+
+
 def _encoded(weight: torch.Tensor) -> bool:
     return plain_subclass(weight) is not None and not weight.dtype.is_floating_point
 
@@ -102,7 +119,7 @@ def _encoded(weight: torch.Tensor) -> bool:
 def patch_encoded(patcher: ModelPatcher, keys: list[str]) -> None:
     """Have the model's own patcher patch ``keys``, weights whose bytes are not their values, its own way;
     each must stay the object it was (the handle re-points its bytes at every layout)."""
-    own_way = type(patcher).patch_weight_to_device is not ModelPatcher.patch_weight_to_device
+    own_way = _patches_its_own_way(patcher)
     for key in keys:
         weight = comfy.utils.get_attr(patcher.model, key)
         if own_way:

@@ -48,7 +48,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload_core import GroupOffloadHandle, check_offloadable, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks
 from .handles import build_handle, built_for, mark_run_started, own_handle, remove_handle, warn_if_unpinned
-from .lora import BlockPatches, patch_encoded
+from .lora import BlockPatches, patch_compute_dtype, patch_encoded
 from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
 from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
@@ -122,7 +122,8 @@ class GroupOffloadPatcher(ModelPatcher):
         # The last load's device memory, its patch tensors too, goes back first: the free figure counts it as free.
         handle.set_onload_patch(None)
         free = room_now(self.model, device_to)
-        patches = BlockPatches(self.model, self._block_patches(), handle.config.onload_device)
+        device = handle.config.onload_device
+        patches = BlockPatches(self.model, self._block_patches(), device, patch_compute_dtype(self, device))
         plan = plan_blocks(self.offload_settings, [g.nbytes for g in handle.groups], free, other_bytes=other_bytes,
                            patch_bytes=patches.device_bytes, granted_bytes=None if full_load else lowvram_model_memory)
         handle.set_resident_bytes(plan.resident_bytes)

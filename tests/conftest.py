@@ -3,6 +3,7 @@ live server (live_server)."""
 from __future__ import annotations
 
 import gc
+import os
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import gguf_files
+import gpu_decisions
 from comfy_boot import REPO_ROOT, boot_comfyui_in_process, comfyui_path, comfyui_version
 from deprecations import pack_deprecations
 from fake_cudart import FakeCudart, install as install_fake_cudart
@@ -90,6 +92,21 @@ def pytest_runtest_call(item: pytest.Item):
 def comfy():
     """ComfyUI's ``nodes`` module, booted in this process (``--cpu`` without CUDA)."""
     return boot_comfyui_in_process()
+
+
+@pytest.fixture(autouse=True)
+def decisions_of_the_card(monkeypatch: pytest.MonkeyPatch) -> gpu_decisions.Card | None:
+    """With ``GROUP_OFFLOAD_CARD`` set (a name in ``gpu_decisions.CARDS``), in-process ComfyUI takes the
+    decisions it takes on that card in every test (the tests then compare with ComfyUI deciding the same)."""
+    name = os.environ.get(gpu_decisions.CARD_VARIABLE)
+    if not name:
+        return None
+    if name not in gpu_decisions.CARDS:
+        raise pytest.UsageError(f"{gpu_decisions.CARD_VARIABLE}={name}: not one of {', '.join(gpu_decisions.CARDS)}")
+    boot_comfyui_in_process()
+    card = gpu_decisions.CARDS[name]
+    gpu_decisions.install(card, monkeypatch.setattr)
+    return card
 
 
 @pytest.fixture
