@@ -96,7 +96,10 @@ class BlockPatches:
 
 
 def _encoded(weight: torch.Tensor) -> bool:
-    return plain_subclass(weight) is not None and not weight.dtype.is_floating_point
+    """A plain subclass whose storage holds no floating-point values (ComfyUI-GGUF's quantized blocks, uint8).
+    Decided by the storage's element type, not by ``dtype``: a subclass may report there the dtype it computes
+    in, as newer ComfyUI-GGUF's does."""
+    return plain_subclass(weight) is not None and not torch.Tensor.dtype.__get__(weight).is_floating_point
 
 
 def patch_encoded(patcher: ModelPatcher, keys: list[str]) -> None:

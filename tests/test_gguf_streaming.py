@@ -148,6 +148,35 @@ def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change
     assert torch.equal(sample(plain, kind), expected(kind)), "the node bypassed: ComfyUI-GGUF's own patcher on the model"
 
 
+@pytest.fixture
+def compute_dtype_reported(gguf_models, monkeypatch):
+    """ComfyUI-GGUF's ``GGMLTensor`` reporting, as its newer versions do (ops.py at 8e0d9cad), the dtype a quantized
+    weight computes in (float16; bfloat16 for BF16) instead of its storage's uint8; F32 and F16 report their own."""
+    QType = gguf_files.QType
+    ggml_tensor = type(next(w for w in load_gguf("qwen_image").model.parameters() if hasattr(w, "tensor_type")))
+    storage_dtype = torch.Tensor.dtype.__get__
+
+    def dtype(tensor: torch.Tensor) -> torch.dtype:
+        tensor_type = getattr(tensor, "tensor_type", None)
+        if tensor_type in (None, QType.F32, QType.F16):
+            return storage_dtype(tensor)
+        return torch.bfloat16 if tensor_type == QType.BF16 else torch.float16
+
+    monkeypatch.setattr(ggml_tensor, "dtype", property(dtype), raising=False)
+    return ggml_tensor
+
+
+def test_a_lora_applies_where_ggmltensor_reports_its_compute_dtype(compute_dtype_reported):
+    kind = "qwen_image"
+    reference = sample(with_lora(load_gguf(kind)), kind)
+    quantized = [w for w in load_gguf(kind).model.parameters() if isinstance(w, compute_dtype_reported)
+                 and w.tensor_type not in gguf_files.FLOAT_TYPES]
+    assert quantized and all(w.dtype.is_floating_point for w in quantized), "its quantized weights report a float dtype"
+    assert not torch.equal(reference, sample(load_gguf(kind), kind)), "the LoRA changes ComfyUI-GGUF's result"
+    assert torch.equal(sample(offload(with_lora(load_gguf(kind))), kind), reference), "a LoRA before the node"
+    assert torch.equal(sample(with_lora(offload(load_gguf(kind))), kind), reference), "a LoRA after the node"
+
+
 @pytest.mark.parametrize("advanced", [
     {"dequant_dtype": "float32", "patch_dtype": "float16", "patch_on_device": False},
     {"dequant_dtype": "default", "patch_dtype": "target", "patch_on_device": True},
