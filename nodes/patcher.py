@@ -91,8 +91,11 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
         if kwargs.get("force_deepcopy") and getattr(self, "cached_patcher_init", None) is None:
-            raise ValueError("This offloaded model cannot be deep-copied: the loader that made it cannot load it "
-                             "again; load it with Load Diffusion Model or Load Diffusion Model (Group Offload)")
+            raise ValueError("This offloaded model cannot be deep-copied (as training nodes do): the loader that "
+                             "made it cannot load it again. Load it with a loader that can: Load Diffusion Model or "
+                             "Load Diffusion Model (Group Offload) for a safetensors file; for a .gguf file, "
+                             "ComfyUI-GGUF's Unet Loader (Dynamic VRAM), in the ComfyUI-GGUF versions that have it "
+                             "(Unet Loader (GGUF) cannot)")
         clone = super().clone(*args, **kwargs)
         clone.__class__ = type(self)  # (the loader's patcher behind this class may clone as its own: ComfyUI-GGUF's does)
         clone.offload_settings = self.offload_settings

@@ -177,6 +177,15 @@ def test_a_lora_applies_where_ggmltensor_reports_its_compute_dtype(compute_dtype
     assert torch.equal(sample(with_lora(offload(load_gguf(kind))), kind), reference), "a LoRA after the node"
 
 
+def test_a_deep_copy_of_a_gguf_model_is_refused_naming_a_loader_that_reads_gguf(gguf_models):
+    """Unet Loader (GGUF) cannot load its model again: the refusal names the GGUF loader that can."""
+    model = offload(load_gguf("qwen_image"))
+    assert getattr(model, "cached_patcher_init", None) is None
+    with pytest.raises(ValueError, match=r"cannot be deep-copied .*\.gguf file, ComfyUI-GGUF's Unet Loader "
+                                         r"\(Dynamic VRAM\)"):
+        model.clone(force_deepcopy=True)
+
+
 @pytest.mark.parametrize("advanced", [
     {"dequant_dtype": "float32", "patch_dtype": "float16", "patch_on_device": False},
     {"dequant_dtype": "default", "patch_dtype": "target", "patch_on_device": True},
