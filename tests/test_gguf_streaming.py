@@ -7,6 +7,11 @@ The bit-exact and LoRA tests run as "cpu" and "cuda" (test_cuda_nodes' ``device`
 same flow."""
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -175,6 +180,100 @@ def test_a_lora_applies_where_ggmltensor_reports_its_compute_dtype(compute_dtype
     assert not torch.equal(reference, sample(load_gguf(kind), kind)), "the LoRA changes ComfyUI-GGUF's result"
     assert torch.equal(sample(offload(with_lora(load_gguf(kind))), kind), reference), "a LoRA before the node"
     assert torch.equal(sample(with_lora(offload(load_gguf(kind))), kind), reference), "a LoRA after the node"
+
+
+# A device this machine can tell from the host: ComfyUI and ComfyUI-GGUF run on it as on any device, and a tensor
+# moved there is a new tensor (over the same memory), so a LoRA tensor still the host's at a forward is one that a
+# GPU would copy to the device at that forward.
+DEVICE_APART = torch.device("cpu", 0)
+
+
+def patch_tensors(value) -> list[torch.Tensor]:
+    """The tensors of a ComfyUI weight patch (or a list of them), adapters' weights included."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in patch_tensors(item)]
+    weights = getattr(value, "weights", None)  # a WeightAdapterBase (LoRA, LoHa...)
+    return patch_tensors(weights) if weights is not None else []
+
+
+@dataclass
+class PatchCopies:
+    forwards: int = 0
+    copies: int = 0
+    bytes: int = 0  # of the LoRA's host tensors moved to the device during the forwards
+
+
+BLOCKS = "diffusion_model.transformer_blocks."  # the tiny Qwen-Image's blocks
+
+
+def host_block_patches(model) -> dict[int, torch.Tensor]:
+    """The tensors of ``model``'s patches of block weights, as the LoRA loader left them on the host, by id."""
+    return {id(t): t for t in patch_tensors([p for key, p in model.patches.items() if key.startswith(BLOCKS)])}
+
+
+@contextlib.contextmanager
+def host_patch_copies(model) -> Iterator[PatchCopies]:
+    """Count what the diffusion model's forwards move to the device of ``model``'s patches of block weights as
+    the LoRA loader left them on the host: ComfyUI-GGUF's move of a quantized weight's patches as it dequantizes
+    it, and ComfyUI's casts (its LoRA adapters cast their tensors to the weight's device)."""
+    import comfy.model_management as mm
+
+    host = host_block_patches(model)
+    ops = sys.modules[boot_comfyui_in_process().NODE_CLASS_MAPPINGS["UnetLoaderGGUF"].__module__.replace(".nodes", ".ops")]
+    counts, in_forward = PatchCopies(), [False]
+
+    def counted(move):
+        def moved(tensor, *args, **kwargs):
+            if in_forward[0] and isinstance(tensor, torch.Tensor) and id(tensor) in host:
+                counts.copies += 1
+                counts.bytes += tensor.nbytes
+            return move(tensor, *args, **kwargs)
+        return moved
+
+    def enter(*_):
+        counts.forwards += 1
+        in_forward[0] = True
+
+    diffusion_model = model.model.diffusion_model
+    hooks = [diffusion_model.register_forward_pre_hook(enter),
+             diffusion_model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False))]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(ops, "move_patch_to_device", counted(ops.move_patch_to_device))
+        monkeypatch.setattr(mm, "cast_to_device", counted(mm.cast_to_device))
+        try:
+            yield counts
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+@pytest.mark.parametrize("highvram", [False, True], ids=["normal_vram", "highvram"])
+def test_a_loras_patches_go_to_the_device_once_per_load_and_back_with_its_memory(gguf_models, highvram):
+    """The patches of quantized weights: on the device once per load (the memory the plan counts for them), not
+    copied there at every forward; on the host again once that memory is given back. ``highvram``: ComfyUI's offload
+    device is the GPU, as --highvram and --gpu-only make it, where ComfyUI-GGUF alone keeps its patches."""
+    kind = "qwen_image"
+    plain = load_gguf(kind)
+    plain.load_device = DEVICE_APART
+    if highvram:
+        plain.offload_device = DEVICE_APART
+    alone = with_lora(plain)
+    with host_patch_copies(alone) as copied:
+        assert torch.equal(sample(alone, kind), expected(kind, 0.8))
+    assert copied.forwards and copied.bytes > 0, "ComfyUI-GGUF alone copies its LoRA adapters at every forward"
+    for order, model in [("before", offload(with_lora(plain), residency="auto")), ("after", with_lora(offload(plain)))]:
+        with host_patch_copies(model) as copied:
+            assert torch.equal(sample(model, kind), expected(kind, 0.8)), f"a LoRA {order} the node"
+        assert copied.forwards and copied.bytes == 0, f"a LoRA {order} the node: {copied}"
+        host = host_block_patches(model)
+        quantized = [w for g in offload_handle(model).groups for w in (b.current() for b in g.bindings)
+                     if getattr(w, "patches", None)]
+        assert quantized and not any(id(t) in host for w in quantized for t in patch_tensors(w.patches))
+        assert model.partially_unload(model.offload_device, memory_to_free=1) > 0
+        assert all(id(t) in host for w in quantized for t in patch_tensors(w.patches)), \
+            "the device memory given back, the patches hang on the host"
 
 
 def test_a_deep_copy_of_a_gguf_model_is_refused_naming_a_loader_that_reads_gguf(gguf_models):
