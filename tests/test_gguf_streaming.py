@@ -102,14 +102,20 @@ def expected(kind: str, lora: float | None = None, **advanced) -> torch.Tensor:
     return _EXPECTED[key]
 
 
-def test_the_files_hold_every_type_comfyui_gguf_dequantizes_orig_shape_and_5d_tensors(gguf_models):
-    types = set(gguf_files.stored_types(gguf_models / file_name("qwen_image")).values())
-    assert types >= set(gguf_files.COMFYUI_GGUF_TYPES)
-    fields = gguf_files.gguf.GGUFReader(gguf_models / file_name("qwen_image")).fields
-    assert any(name.startswith("comfy.gguf.orig_shape.transformer_blocks.") for name in fields), \
-        "quantized block weights stored as rows of 256 values, their shape in the metadata"
+def test_the_files_hold_every_type_comfyui_gguf_dequantizes_f16_fallbacks_and_5d_tensors(gguf_models):
+    """As convert.py and llama-quantize write DiTs: no ``orig_shape`` rows (convert.py writes them for SD1/SDXL
+    only); a tensor whose rows a K-quant cannot hold stays F16, whole."""
+    path = gguf_models / file_name("qwen_image")
+    assert set(gguf_files.stored_types(path).values()) >= set(gguf_files.COMFYUI_GGUF_TYPES)
+    assert not any(name.startswith("comfy.gguf.orig_shape.") for name in gguf_files.gguf.GGUFReader(path).fields)
     wan = gguf_files.gguf.GGUFReader(gguf_models / file_name("wan")).tensors
     assert any(len(t.shape) == 5 for t in wan), "Wan's 5-D patch embedding"
+    q4_k = gguf_files.write_tiny_gguf(gguf_models / "tiny_qwen_image_q4_k.gguf", policy=gguf_files.QType.Q4_K)
+    quantized = [t for t in gguf_files.gguf.GGUFReader(q4_k).tensors if t.tensor_type != gguf_files.QType.F32]
+    stored = {(int(t.shape[0]) % 256 == 0, gguf_files.QType(t.tensor_type)) for t in quantized}  # (ggml: rows first)
+    assert stored == {(True, gguf_files.QType.Q4_K), (False, gguf_files.QType.F16)}, "rows Q4_K cannot hold: F16"
+    assert torch.equal(sample(offload(node("UnetLoaderGGUF", unet_name=q4_k.name)), "qwen_image"),
+                       sample(node("UnetLoaderGGUF", unet_name=q4_k.name), "qwen_image"))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
