@@ -351,6 +351,23 @@ def test_the_readout_names_the_gguf_types_and_counts_the_gguf_bytes_per_step(ggu
     host_bytes = offload_handle(model).stats()["host_bytes"]
     assert sum(nbytes for _, nbytes in run["formats"]) <= host_bytes, "their GGUF bytes"
     assert run["bytes_per_step"] == run["streamed_bytes_per_pass"] == host_bytes, "one pass a step, at the GGUF size"
+    assert run["host_dequantized_bytes_per_pass"] == 0, "every type here has ComfyUI-GGUF's torch dequantizer"
+
+
+def test_types_dequantized_on_the_host_run_as_without_the_node_and_the_readout_counts_their_bytes(gguf_models):
+    """IQ1_S, IQ2_*, IQ3_*, TQ*: ComfyUI-GGUF dequantizes them with gguf-py's numpy code, copying the weight to the
+    host at every forward; they run, and the readout counts their bytes as going to the host every pass."""
+    policy = gguf_files.mixed_policy((*gguf_files.HOST_DEQUANTIZED_TYPES, gguf_files.QType.Q8_0))
+    path = gguf_files.write_tiny_gguf(gguf_models / "host_dequantized_types.gguf", policy=policy)
+    reader = gguf_files.gguf.GGUFReader(path)
+    on_the_host = {t.name: int(t.n_bytes) for t in reader.tensors
+                   if t.tensor_type in gguf_files.HOST_DEQUANTIZED_TYPES and t.name.startswith("transformer_blocks.")}
+    assert len({gguf_files.QType(t.tensor_type) for t in reader.tensors} & set(gguf_files.HOST_DEQUANTIZED_TYPES)) > 4
+    plain = sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
+    model = offload(node("UnetLoaderGGUF", unet_name=path.name))
+    assert torch.equal(sample(model, "qwen_image"), plain)
+    run = pack_module("nodes.telemetry").last_run(model.model.diffusion_model)
+    assert on_the_host and run["host_dequantized_bytes_per_pass"] == sum(on_the_host.values())
 
 
 def test_a_forward_that_fails_leaves_nothing_pinned_and_the_error_is_comfyui_ggufs(gguf_models, fake_cudart):
