@@ -4,7 +4,8 @@ mirrors stay pristine, so one packed model serves every clone whatever its patch
 A weight whose bytes are not its values (a plain tensor subclass over integer storage: ComfyUI-GGUF's
 quantized ``GGMLTensor``) cannot be patched by computing on them. The model's own patcher patches it
 its own way (``patch_encoded``), once per load: ComfyUI-GGUF's hangs the patches on the weight, and its
-layers add them as they dequantize, wherever its bytes lie."""
+layers add them as they dequantize, wherever its bytes lie. Their tensors go to the device once per load
+too, as every other patch's."""
 from __future__ import annotations
 
 import copy
@@ -62,10 +63,12 @@ class BlockPatches:
                  compute_dtype: torch.dtype) -> None:
         self._model = weakref.ref(model)  # the handle lives on the model: no reference cycle through it
         self._compute_dtype = compute_dtype
-        #: the patched weights whose bytes are not their values: the model's own patcher patches them
-        self.encoded = [key for key in patches if _encoded(comfy.utils.get_attr(model, key))]
-        computed = patches.keys() - set(self.encoded)
-        self._patches = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items() if key in computed}
+        on_device = {key: _map_tensors(p, lambda t: t.to(device)) for key, p in patches.items()}
+        encoded = set(encoded_keys(model, patches))
+        #: the patches of the weights whose bytes are not their values: the model's own patcher hangs them on
+        #: those weights (``patch_encoded``)
+        self.encoded = {key: p for key, p in on_device.items() if key in encoded}
+        self._patches = {key: p for key, p in on_device.items() if key not in encoded}
         self.device_bytes = self.device_bytes_for(model, patches, device)
 
     @staticmethod
@@ -113,19 +116,43 @@ def _patches_its_own_way(patcher: ModelPatcher) -> bool:
 
 
 def _encoded(weight: torch.Tensor) -> bool:
-    return plain_subclass(weight) is not None and not weight.dtype.is_floating_point
+    """A plain subclass whose storage holds no floating-point values (ComfyUI-GGUF's quantized blocks, uint8).
+    Decided by the storage's element type, not by ``dtype``: a subclass may report there the dtype it computes
+    in, as newer ComfyUI-GGUF's does."""
+    return plain_subclass(weight) is not None and not torch.Tensor.dtype.__get__(weight).is_floating_point
 
 
-def patch_encoded(patcher: ModelPatcher, keys: list[str]) -> None:
-    """Have the model's own patcher patch ``keys``, weights whose bytes are not their values, its own way;
-    each must stay the object it was (the handle re-points its bytes at every layout)."""
+def encoded_keys(model: nn.Module, patches: dict[str, list]) -> list[str]:
+    """The keys of ``patches`` whose weights' bytes are not their values: the model's own patcher patches them."""
+    return [key for key in patches if _encoded(comfy.utils.get_attr(model, key))]
+
+
+def patch_encoded(patcher: ModelPatcher, patches: dict[str, list], patches_on: torch.device) -> None:
+    """Have the model's own patcher patch the weights of ``patches`` (whose bytes are not their values) its own
+    way, with these patches, whose tensors lie on ``patches_on``; each weight must stay the object it was (the
+    handle re-points its bytes at every layout).
+
+    A patcher keeps what it does not load on its offload device, the host where Group Offload runs:
+    ComfyUI-GGUF's hangs a quantized weight's patches there (unless ``patch_on_device``), and they are copied to
+    the device at every forward. For the call, its patches are these and its offload device ``patches_on``: at
+    each load, the patches already on the device the blocks compute on (the device memory planned for them);
+    the patcher's own, on the host, once that memory is given back."""
     own_way = _patches_its_own_way(patcher)
-    for key in keys:
-        weight = comfy.utils.get_attr(patcher.model, key)
-        if own_way:
-            patcher.patch_weight_to_device(key, device_to=weight.device)
-        if not own_way or comfy.utils.get_attr(patcher.model, key) is not weight:
-            raise ValueError(f"Group Offload cannot apply this LoRA to {key}: its weight is a {type(weight).__name__}, "
-                             f"whose bytes are not its values, and the model's patcher ({type(patcher).__name__}) "
-                             f"does not patch such a weight in place; load the model with the loader made for its "
-                             f"format")
+    saved = patcher.patches, patcher.offload_device
+    patcher.patches, patcher.offload_device = {**patcher.patches, **patches}, patches_on
+    try:
+        for key in patches:
+            _patch_own_way(patcher, key, own_way)
+    finally:
+        patcher.patches, patcher.offload_device = saved
+
+
+def _patch_own_way(patcher: ModelPatcher, key: str, own_way: bool) -> None:
+    weight = comfy.utils.get_attr(patcher.model, key)
+    if own_way:
+        patcher.patch_weight_to_device(key, device_to=weight.device)
+    if not own_way or comfy.utils.get_attr(patcher.model, key) is not weight:
+        raise ValueError(f"Group Offload cannot apply this LoRA to {key}: its weight is a {type(weight).__name__}, "
+                         f"whose bytes are not its values, and the model's patcher ({type(patcher).__name__}) "
+                         f"does not patch such a weight in place; load the model with the loader made for its "
+                         f"format")

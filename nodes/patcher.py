@@ -48,7 +48,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload_core import GroupOffloadHandle, check_offloadable, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks
 from .handles import build_handle, built_for, mark_run_started, own_handle, remove_handle, warn_if_unpinned
-from .lora import BlockPatches, patch_compute_dtype, patch_encoded
+from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
 from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
 from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
@@ -91,8 +91,11 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def clone(self, *args, **kwargs) -> "GroupOffloadPatcher":
         if kwargs.get("force_deepcopy") and getattr(self, "cached_patcher_init", None) is None:
-            raise ValueError("This offloaded model cannot be deep-copied: the loader that made it cannot load it "
-                             "again; load it with Load Diffusion Model or Load Diffusion Model (Group Offload)")
+            raise ValueError("This offloaded model cannot be deep-copied (as training nodes do): the loader that "
+                             "made it cannot load it again. Load it with a loader that can: Load Diffusion Model or "
+                             "Load Diffusion Model (Group Offload) for a safetensors file; for a .gguf file, "
+                             "ComfyUI-GGUF's Unet Loader (Dynamic VRAM), in the ComfyUI-GGUF versions that have it "
+                             "(Unet Loader (GGUF) cannot)")
         clone = super().clone(*args, **kwargs)
         clone.__class__ = type(self)  # (the loader's patcher behind this class may clone as its own: ComfyUI-GGUF's does)
         clone.offload_settings = self.offload_settings
@@ -120,7 +123,7 @@ class GroupOffloadPatcher(ModelPatcher):
         other_bytes = mm.module_size(self.model) - module_bytes(self.blocks())
         handle = self.handle(device_to)
         # The last load's device memory, its patch tensors too, goes back first: the free figure counts it as free.
-        handle.set_onload_patch(None)
+        self._patches_off_the_device(handle)
         free = room_now(self.model, device_to)
         device = handle.config.onload_device
         patches = BlockPatches(self.model, self._block_patches(), device, patch_compute_dtype(self, device))
@@ -129,7 +132,7 @@ class GroupOffloadPatcher(ModelPatcher):
         handle.set_resident_bytes(plan.resident_bytes)
         warn_if_unpinned(handle)
         handle.set_onload_patch(patches, patches.keys(), device_bytes=patches.device_bytes)
-        patch_encoded(self, patches.encoded)
+        patch_encoded(self, patches.encoded, handle.config.onload_device)
         handle.onload_resident()
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
@@ -251,10 +254,17 @@ class GroupOffloadPatcher(ModelPatcher):
         if handle is None or not handle.holds_device_memory():
             return 0
         held = handle.device_bytes_needed()
-        handle.set_onload_patch(None)  # gives the device memory back, the patch's own too; load() sets it again
+        self._patches_off_the_device(handle)  # load() puts them back
         self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - held)
         self.model.model_lowvram = True  # so that the next load_models_gpu calls load() again
         return held
+
+    def _patches_off_the_device(self, handle: GroupOffloadHandle) -> None:
+        """Give the device memory back, the patches' own too: the handle's, and those of the weights the model's own
+        patcher patches (hung on the host again, the model still patched)."""
+        handle.set_onload_patch(None)
+        patch_encoded(self, {key: self.patches[key] for key in encoded_keys(self.model, self._block_patches())},
+                      self.offload_device)
 
     def _group_bytes(self, blocks: list[nn.Module]) -> list[int]:
         handle = handle_of(blocks[0])

@@ -7,6 +7,7 @@ GPU: ``step_done`` runs as a ComfyUI post-CFG function, once per denoising evalu
 """
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class RunTelemetry:
     node_id: str | None
     cpu_only: bool
     formats: list[tuple[str, int]] = field(default_factory=list)
+    host_dequantized_bytes: int = 0
     steps: list[StepSample] = field(default_factory=list)
     # (perf_counter, ledger bytes_h2d, ledger gathered_bytes) where the open step began: the run's start, then
     # the previous step's end.
@@ -61,14 +63,17 @@ class RunTelemetry:
         return payload
 
     def payload(self, final: bool) -> dict[str, Any]:
-        return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final, self.formats)
+        return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final, self.formats,
+                                 self.host_dequantized_bytes)
 
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
-                      cpu_only: bool, final: bool, formats: list[tuple[str, int]] = ()) -> dict[str, Any]:
+                      cpu_only: bool, final: bool, formats: list[tuple[str, int]] = (),
+                      host_dequantized_bytes: int = 0) -> dict[str, Any]:
     """The message the front end draws: the handle's figures plus the per-step streamed GB/s; the quantized
-    formats the blocks are stored in (``quantized_formats``); and, when groups are left in place, where their
-    host copies are and how fast they were gathered."""
+    formats the blocks are stored in (``quantized_formats``) and the bytes of them dequantized on the host
+    (``host_dequantized_bytes``); and, when groups are left in place, where their host copies are and how
+    fast they were gathered."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
     gathered = sum(s.gathered_bytes for s in steps)
@@ -93,6 +98,7 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "compute_wait_ms": stats["compute_wait_ms"],
         "hook_us_per_group": stats["hook_us_per_group"],
         "formats": [list(item) for item in formats],
+        "host_dequantized_bytes_per_pass": host_dequantized_bytes,
         "steps": len(steps),
         "bytes_per_step": streamed / len(steps) if steps else 0.0,
         "h2d_gbps": streamed / seconds / 1e9 if seconds > 0 else 0.0,
@@ -116,6 +122,22 @@ def quantized_formats(handle: GroupOffloadHandle) -> list[tuple[str, int]]:
         if name is not None:
             totals[name] = totals.get(name, 0) + packed_nbytes(tensor)
     return sorted(totals.items(), key=lambda item: -item[1])
+
+
+def host_dequantized_bytes(handle: GroupOffloadHandle) -> int:
+    """The blocks' bytes that their layers dequantize on the host, each weight copied there at every forward and
+    back: the GGUF types ComfyUI-GGUF has no torch dequantizer for (it falls back to gguf-py's numpy code)."""
+    return sum(packed_nbytes(tensor) for group in handle.groups for tensor in (b.current() for b in group.bindings)
+               if _dequantized_on_the_host(tensor))
+
+
+def _dequantized_on_the_host(tensor: torch.Tensor) -> bool:
+    gguf_type = getattr(tensor, "tensor_type", None)
+    if gguf_type is None or torch.Tensor.dtype.__get__(tensor).is_floating_point:  # (F32, F16: torch's own)
+        return False
+    package = type(tensor).__module__.rpartition(".")[0]  # the dequantizers of the custom node that made the tensor
+    on_the_device = getattr(sys.modules.get(f"{package}.dequant"), "dequantize_functions", None)
+    return on_the_device is not None and gguf_type not in on_the_device
 
 
 def _quantized_format(tensor: torch.Tensor) -> str | None:
@@ -144,7 +166,8 @@ _LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.Weak
 def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool) -> None:
     finish_run(diffusion_model)
     handle.reset_stats()
-    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle))
+    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle),
+                                          host_dequantized_bytes(handle))
 
 
 def step_done(diffusion_model: nn.Module) -> None:

@@ -1,12 +1,12 @@
 """Tiny GGUF diffusion models as ComfyUI-GGUF's Unet Loader (GGUF) reads them, written at test time with
 ``gguf.GGUFWriter``, and ComfyUI-GGUF itself where a test needs it.
 
-The layout is the one ComfyUI-GGUF's ``loader.gguf_sd_loader`` reads (and its ``tools/convert.py`` writes):
-the model's own ComfyUI keys as tensor names (no prefix), ``general.architecture`` one of its image
-architectures (``qwen_image``, ``flux``, ``wan``), each tensor stored in ggml's dimension order, and
-``comfy.gguf.orig_shape.<key>`` (an array of int32) for a quantized tensor stored as rows of 256 values
-because its last dimension is not a multiple of the type's block size. ComfyUI-GGUF gives the loaded
-``GGMLTensor`` that shape back; 5-D tensors (Wan's patch embedding) are stored whole in F32, as its
+The layout is the one ComfyUI-GGUF's ``loader.gguf_sd_loader`` reads, as its ``tools/convert.py`` and its
+patched ``llama-quantize`` write it: the model's own ComfyUI keys as tensor names (no prefix),
+``general.architecture`` one of its image architectures (``qwen_image``, ``flux``, ``wan``), each tensor stored
+whole in ggml's dimension order. A tensor whose last dimension the type's block does not divide is stored in F16,
+as llama-quantize falls back for the K-quants (convert.py writes ``comfy.gguf.orig_shape`` rows of 256 values for
+SD1/SDXL only, never for these DiTs); 5-D tensors (Wan's patch embedding) are stored whole in F32, as its
 ``fix_5d_tensors.py`` does.
 
 The values come from the tiny models the other tests use (:data:`SOURCES`): the four-block tiny Qwen-Image
@@ -15,23 +15,24 @@ tensor is stored:
 
 - F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (:data:`QUANTIZER_TYPES`): ``gguf.quants.quantize`` of the
   tensor's values;
-- Q2_K … Q6_K, IQ4_NL, IQ4_XS (:data:`CRAFTED_TYPES`): gguf-py has no quantizer for them, so the blocks
-  are crafted: a seeded random payload whose fp16 super-block scales (``d``, and ``dmin`` where the type has
-  one) are set so that the dequantized tensor has mean ~0 and the source tensor's standard deviation. Their
-  values are not the source's, only its scale; ``gguf.quants.dequantize`` checks that they are finite;
+- Q2_K … Q6_K, IQ4_NL, IQ4_XS (:data:`CRAFTED_TYPES`), and the types ComfyUI-GGUF dequantizes with gguf-py's
+  numpy code, on the host (:data:`HOST_DEQUANTIZED_TYPES`: IQ1_S, IQ2_*, IQ3_*, TQ1_0, TQ2_0): gguf-py has no
+  quantizer for them, so the blocks are crafted: a seeded random payload whose fp16 super-block scales (``d``,
+  and ``dmin`` where the type has one) are set so that the dequantized tensor has mean ~0 and the source
+  tensor's standard deviation. Their values are not the source's, only its scale; ``gguf.quants.dequantize``
+  checks that they are finite;
 - any other type (:data:`UNKNOWN_TYPE`, for the bad-input tests): random bytes in its block layout.
 
 API: :func:`write_gguf` ``(path, state_dict, policy, arch)``; :func:`write_tiny_gguf` ``(path, model, policy)``
 for a model of :data:`SOURCES`; a policy is a :class:`gguf.GGMLQuantizationType` (as ComfyUI-GGUF's
 converter: 1-D, 5-D and small tensors F32, the rest that type; :func:`converter_policy`), or any
 ``(key, tensor) -> type``; :func:`mixed_policy` cycles through types (:data:`COMFYUI_GGUF_TYPES`, every
-type ComfyUI-GGUF dequantizes, puts them all in one file). :func:`comfyui_gguf_missing`,
+type ComfyUI-GGUF dequantizes with torch, puts them all in one file). :func:`comfyui_gguf_missing`,
 :func:`load_comfyui_gguf` (in this process) and :func:`link_comfyui_gguf` (for a server's base directory)
 bring in ComfyUI-GGUF as ``dev.py setup`` unpacked it into the ComfyUI in use.
 """
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -61,6 +62,11 @@ if gguf is not None:
                     QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
     CRAFTED_TYPES = tuple(_FP16_SCALES)
     COMFYUI_GGUF_TYPES = (*QUANTIZER_TYPES, *CRAFTED_TYPES)
+    # The types ComfyUI-GGUF has no torch dequantizer for: it falls back to gguf-py's numpy one, on the host.
+    _HOST_FP16_SCALES = {QType.IQ1_S: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,), QType.IQ2_S: (0,),
+                         QType.IQ3_XXS: (0,), QType.IQ3_S: (0,), QType.TQ1_0: (52,), QType.TQ2_0: (64,)}
+    HOST_DEQUANTIZED_TYPES = tuple(_HOST_FP16_SCALES)
+    _FP16_SCALES |= _HOST_FP16_SCALES
     # A type a GGUF file can hold and ComfyUI-GGUF loads, but that neither it nor gguf-py dequantizes.
     UNKNOWN_TYPE = QType.Q8_1
 
@@ -68,8 +74,6 @@ Policy = Union["QType", Callable[[str, torch.Tensor], "QType"]]
 
 # ComfyUI-GGUF's converter keeps tensors of at most this many values in F32 (tools/convert.py).
 _QUANTIZATION_THRESHOLD = 1024
-# A quantized tensor whose last dimension no block divides is stored as rows of this many values.
-_ROW = 256
 # write_gguf's unused tensor: in no block and no layer, ComfyUI leaves it out of the model (an unexpected key).
 UNUSED_TENSOR = "unused_padding"
 UNUSED_ROW_BYTES = 4096
@@ -149,21 +153,22 @@ def craft_blocks(values: np.ndarray, qtype: QType, generator: np.random.Generato
     return blocks.reshape(*values.shape[:-1], -1)
 
 
-def encode(tensor: torch.Tensor, qtype: QType,
-           generator: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...] | None]:
-    """The data GGUFWriter stores for ``tensor`` as ``qtype``, and its original shape where it is stored as
-    rows of 256 values (its last dimension not a multiple of the block size), else None."""
+def holds(qtype: QType, tensor: torch.Tensor) -> bool:
+    """Whether ``qtype``'s blocks divide ``tensor``'s rows (its last dimension)."""
+    return tensor.shape[-1] % block_size(qtype) == 0
+
+
+def encode(tensor: torch.Tensor, qtype: QType, generator: np.random.Generator) -> tuple[np.ndarray, QType]:
+    """The data GGUFWriter stores for ``tensor`` as ``qtype``, and the type it is stored as: F16 where
+    ``qtype``'s blocks do not divide its rows, as llama-quantize falls back."""
     values = tensor.detach().to(torch.float32).cpu().numpy()
-    orig_shape = None
-    if values.shape[-1] % block_size(qtype):
-        if values.size % _ROW:
-            raise ValueError(f"a tensor of shape {tuple(values.shape)} cannot be stored as {qtype.name}")
-        orig_shape, values = tuple(values.shape), values.reshape(-1, _ROW)
+    if not holds(qtype, tensor):
+        qtype = QType.F16
     if qtype in _FP16_SCALES:
-        return craft_blocks(values, qtype, generator), orig_shape
+        return craft_blocks(values, qtype, generator), qtype
     if qtype in QUANTIZER_TYPES:
-        return gguf.quants.quantize(values, qtype), orig_shape
-    return random_blocks(values, qtype, generator), orig_shape
+        return gguf.quants.quantize(values, qtype), qtype
+    return random_blocks(values, qtype, generator), qtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,10 +188,20 @@ def converter_policy(qtype: QType) -> Callable[[str, torch.Tensor], QType]:
 
 
 def mixed_policy(qtypes: Iterable[QType]) -> Callable[[str, torch.Tensor], QType]:
-    """The types in turn over the tensors ComfyUI-GGUF's converter would quantize (F32 for the others);
-    with :data:`COMFYUI_GGUF_TYPES` one file holds every type once the model has enough tensors."""
-    turn = itertools.cycle(qtypes)
-    return lambda key, tensor: QType.F32 if keeps_full_precision(key, tensor) else next(turn)
+    """The types in turn over the tensors ComfyUI-GGUF's converter would quantize (F32 for the others): each
+    tensor the least used of the types whose blocks divide its rows, the largest blocks first (fewer rows fit
+    them); with :data:`COMFYUI_GGUF_TYPES` one file holds every type once the model has enough tensors of each
+    row length."""
+    used = dict.fromkeys(qtypes, 0)
+
+    def choose(key: str, tensor: torch.Tensor) -> QType:
+        if keeps_full_precision(key, tensor):
+            return QType.F32
+        fitting = [q for q in used if holds(q, tensor)] or list(used)
+        qtype = min(fitting, key=lambda q: (used[q], -block_size(q)))
+        used[qtype] += 1
+        return qtype
+    return choose
 
 
 def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], policy: Policy, arch: str, seed: int = 0,
@@ -202,10 +217,7 @@ def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], policy: Policy, 
     writer = gguf.GGUFWriter(path=None, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, tensor in state_dict.items():
-        qtype = choose(key, tensor)
-        data, orig_shape = encode(tensor, qtype, generator)
-        if orig_shape is not None:
-            writer.add_array(f"comfy.gguf.orig_shape.{key}", list(orig_shape))
+        data, qtype = encode(tensor, choose(key, tensor), generator)
         writer.add_tensor(key, data, raw_dtype=qtype)
     rows = unused_bytes // UNUSED_ROW_BYTES
     if rows:

@@ -7,6 +7,11 @@ The bit-exact and LoRA tests run as "cpu" and "cuda" (test_cuda_nodes' ``device`
 same flow."""
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -97,14 +102,20 @@ def expected(kind: str, lora: float | None = None, **advanced) -> torch.Tensor:
     return _EXPECTED[key]
 
 
-def test_the_files_hold_every_type_comfyui_gguf_dequantizes_orig_shape_and_5d_tensors(gguf_models):
-    types = set(gguf_files.stored_types(gguf_models / file_name("qwen_image")).values())
-    assert types >= set(gguf_files.COMFYUI_GGUF_TYPES)
-    fields = gguf_files.gguf.GGUFReader(gguf_models / file_name("qwen_image")).fields
-    assert any(name.startswith("comfy.gguf.orig_shape.transformer_blocks.") for name in fields), \
-        "quantized block weights stored as rows of 256 values, their shape in the metadata"
+def test_the_files_hold_every_type_comfyui_gguf_dequantizes_f16_fallbacks_and_5d_tensors(gguf_models):
+    """As convert.py and llama-quantize write DiTs: no ``orig_shape`` rows (convert.py writes them for SD1/SDXL
+    only); a tensor whose rows a K-quant cannot hold stays F16, whole."""
+    path = gguf_models / file_name("qwen_image")
+    assert set(gguf_files.stored_types(path).values()) >= set(gguf_files.COMFYUI_GGUF_TYPES)
+    assert not any(name.startswith("comfy.gguf.orig_shape.") for name in gguf_files.gguf.GGUFReader(path).fields)
     wan = gguf_files.gguf.GGUFReader(gguf_models / file_name("wan")).tensors
     assert any(len(t.shape) == 5 for t in wan), "Wan's 5-D patch embedding"
+    q4_k = gguf_files.write_tiny_gguf(gguf_models / "tiny_qwen_image_q4_k.gguf", policy=gguf_files.QType.Q4_K)
+    quantized = [t for t in gguf_files.gguf.GGUFReader(q4_k).tensors if t.tensor_type != gguf_files.QType.F32]
+    stored = {(int(t.shape[0]) % 256 == 0, gguf_files.QType(t.tensor_type)) for t in quantized}  # (ggml: rows first)
+    assert stored == {(True, gguf_files.QType.Q4_K), (False, gguf_files.QType.F16)}, "rows Q4_K cannot hold: F16"
+    assert torch.equal(sample(offload(node("UnetLoaderGGUF", unet_name=q4_k.name)), "qwen_image"),
+                       sample(node("UnetLoaderGGUF", unet_name=q4_k.name), "qwen_image"))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -146,6 +157,138 @@ def test_a_lora_before_and_after_the_node_is_comfyui_ggufs_and_a_strength_change
     assert torch.equal(sample(offloaded, kind), expected(kind)), "without the LoRA, its patches are gone"
     assert torch.equal(sample(after, kind), expected(kind, 0.8))
     assert torch.equal(sample(plain, kind), expected(kind)), "the node bypassed: ComfyUI-GGUF's own patcher on the model"
+
+
+@pytest.fixture
+def compute_dtype_reported(gguf_models, monkeypatch):
+    """ComfyUI-GGUF's ``GGMLTensor`` reporting, as its newer versions do (ops.py at 8e0d9cad), the dtype a quantized
+    weight computes in (float16; bfloat16 for BF16) instead of its storage's uint8; F32 and F16 report their own."""
+    QType = gguf_files.QType
+    ggml_tensor = type(next(w for w in load_gguf("qwen_image").model.parameters() if hasattr(w, "tensor_type")))
+    storage_dtype = torch.Tensor.dtype.__get__
+
+    def dtype(tensor: torch.Tensor) -> torch.dtype:
+        tensor_type = getattr(tensor, "tensor_type", None)
+        if tensor_type in (None, QType.F32, QType.F16):
+            return storage_dtype(tensor)
+        return torch.bfloat16 if tensor_type == QType.BF16 else torch.float16
+
+    monkeypatch.setattr(ggml_tensor, "dtype", property(dtype), raising=False)
+    return ggml_tensor
+
+
+def test_a_lora_applies_where_ggmltensor_reports_its_compute_dtype(compute_dtype_reported):
+    kind = "qwen_image"
+    reference = sample(with_lora(load_gguf(kind)), kind)
+    quantized = [w for w in load_gguf(kind).model.parameters() if isinstance(w, compute_dtype_reported)
+                 and w.tensor_type not in gguf_files.FLOAT_TYPES]
+    assert quantized and all(w.dtype.is_floating_point for w in quantized), "its quantized weights report a float dtype"
+    assert not torch.equal(reference, sample(load_gguf(kind), kind)), "the LoRA changes ComfyUI-GGUF's result"
+    assert torch.equal(sample(offload(with_lora(load_gguf(kind))), kind), reference), "a LoRA before the node"
+    assert torch.equal(sample(with_lora(offload(load_gguf(kind))), kind), reference), "a LoRA after the node"
+
+
+# A device this machine can tell from the host: ComfyUI and ComfyUI-GGUF run on it as on any device, and a tensor
+# moved there is a new tensor (over the same memory), so a LoRA tensor still the host's at a forward is one that a
+# GPU would copy to the device at that forward.
+DEVICE_APART = torch.device("cpu", 0)
+
+
+def patch_tensors(value) -> list[torch.Tensor]:
+    """The tensors of a ComfyUI weight patch (or a list of them), adapters' weights included."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in patch_tensors(item)]
+    weights = getattr(value, "weights", None)  # a WeightAdapterBase (LoRA, LoHa...)
+    return patch_tensors(weights) if weights is not None else []
+
+
+@dataclass
+class PatchCopies:
+    forwards: int = 0
+    copies: int = 0
+    bytes: int = 0  # of the LoRA's host tensors moved to the device during the forwards
+
+
+BLOCKS = "diffusion_model.transformer_blocks."  # the tiny Qwen-Image's blocks
+
+
+def host_block_patches(model) -> dict[int, torch.Tensor]:
+    """The tensors of ``model``'s patches of block weights, as the LoRA loader left them on the host, by id."""
+    return {id(t): t for t in patch_tensors([p for key, p in model.patches.items() if key.startswith(BLOCKS)])}
+
+
+@contextlib.contextmanager
+def host_patch_copies(model) -> Iterator[PatchCopies]:
+    """Count what the diffusion model's forwards move to the device of ``model``'s patches of block weights as
+    the LoRA loader left them on the host: ComfyUI-GGUF's move of a quantized weight's patches as it dequantizes
+    it, and ComfyUI's casts (its LoRA adapters cast their tensors to the weight's device)."""
+    import comfy.model_management as mm
+
+    host = host_block_patches(model)
+    ops = sys.modules[boot_comfyui_in_process().NODE_CLASS_MAPPINGS["UnetLoaderGGUF"].__module__.replace(".nodes", ".ops")]
+    counts, in_forward = PatchCopies(), [False]
+
+    def counted(move):
+        def moved(tensor, *args, **kwargs):
+            if in_forward[0] and isinstance(tensor, torch.Tensor) and id(tensor) in host:
+                counts.copies += 1
+                counts.bytes += tensor.nbytes
+            return move(tensor, *args, **kwargs)
+        return moved
+
+    def enter(*_):
+        counts.forwards += 1
+        in_forward[0] = True
+
+    diffusion_model = model.model.diffusion_model
+    hooks = [diffusion_model.register_forward_pre_hook(enter),
+             diffusion_model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False))]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(ops, "move_patch_to_device", counted(ops.move_patch_to_device))
+        monkeypatch.setattr(mm, "cast_to_device", counted(mm.cast_to_device))
+        try:
+            yield counts
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+@pytest.mark.parametrize("highvram", [False, True], ids=["normal_vram", "highvram"])
+def test_a_loras_patches_go_to_the_device_once_per_load_and_back_with_its_memory(gguf_models, highvram):
+    """The patches of quantized weights: on the device once per load (the memory the plan counts for them), not
+    copied there at every forward; on the host again once that memory is given back. ``highvram``: ComfyUI's offload
+    device is the GPU, as --highvram and --gpu-only make it, where ComfyUI-GGUF alone keeps its patches."""
+    kind = "qwen_image"
+    plain = load_gguf(kind)
+    plain.load_device = DEVICE_APART
+    if highvram:
+        plain.offload_device = DEVICE_APART
+    alone = with_lora(plain)
+    with host_patch_copies(alone) as copied:
+        assert torch.equal(sample(alone, kind), expected(kind, 0.8))
+    assert copied.forwards and copied.bytes > 0, "ComfyUI-GGUF alone copies its LoRA adapters at every forward"
+    for order, model in [("before", offload(with_lora(plain), residency="auto")), ("after", with_lora(offload(plain)))]:
+        with host_patch_copies(model) as copied:
+            assert torch.equal(sample(model, kind), expected(kind, 0.8)), f"a LoRA {order} the node"
+        assert copied.forwards and copied.bytes == 0, f"a LoRA {order} the node: {copied}"
+        host = host_block_patches(model)
+        quantized = [w for g in offload_handle(model).groups for w in (b.current() for b in g.bindings)
+                     if getattr(w, "patches", None)]
+        assert quantized and not any(id(t) in host for w in quantized for t in patch_tensors(w.patches))
+        assert model.partially_unload(model.offload_device, memory_to_free=1) > 0
+        assert all(id(t) in host for w in quantized for t in patch_tensors(w.patches)), \
+            "the device memory given back, the patches hang on the host"
+
+
+def test_a_deep_copy_of_a_gguf_model_is_refused_naming_a_loader_that_reads_gguf(gguf_models):
+    """Unet Loader (GGUF) cannot load its model again: the refusal names the GGUF loader that can."""
+    model = offload(load_gguf("qwen_image"))
+    assert getattr(model, "cached_patcher_init", None) is None
+    with pytest.raises(ValueError, match=r"cannot be deep-copied .*\.gguf file, ComfyUI-GGUF's Unet Loader "
+                                         r"\(Dynamic VRAM\)"):
+        model.clone(force_deepcopy=True)
 
 
 @pytest.mark.parametrize("advanced", [
@@ -208,6 +351,23 @@ def test_the_readout_names_the_gguf_types_and_counts_the_gguf_bytes_per_step(ggu
     host_bytes = offload_handle(model).stats()["host_bytes"]
     assert sum(nbytes for _, nbytes in run["formats"]) <= host_bytes, "their GGUF bytes"
     assert run["bytes_per_step"] == run["streamed_bytes_per_pass"] == host_bytes, "one pass a step, at the GGUF size"
+    assert run["host_dequantized_bytes_per_pass"] == 0, "every type here has ComfyUI-GGUF's torch dequantizer"
+
+
+def test_types_dequantized_on_the_host_run_as_without_the_node_and_the_readout_counts_their_bytes(gguf_models):
+    """IQ1_S, IQ2_*, IQ3_*, TQ*: ComfyUI-GGUF dequantizes them with gguf-py's numpy code, copying the weight to the
+    host at every forward; they run, and the readout counts their bytes as going to the host every pass."""
+    policy = gguf_files.mixed_policy((*gguf_files.HOST_DEQUANTIZED_TYPES, gguf_files.QType.Q8_0))
+    path = gguf_files.write_tiny_gguf(gguf_models / "host_dequantized_types.gguf", policy=policy)
+    reader = gguf_files.gguf.GGUFReader(path)
+    on_the_host = {t.name: int(t.n_bytes) for t in reader.tensors
+                   if t.tensor_type in gguf_files.HOST_DEQUANTIZED_TYPES and t.name.startswith("transformer_blocks.")}
+    assert len({gguf_files.QType(t.tensor_type) for t in reader.tensors} & set(gguf_files.HOST_DEQUANTIZED_TYPES)) > 4
+    plain = sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
+    model = offload(node("UnetLoaderGGUF", unet_name=path.name))
+    assert torch.equal(sample(model, "qwen_image"), plain)
+    run = pack_module("nodes.telemetry").last_run(model.model.diffusion_model)
+    assert on_the_host and run["host_dequantized_bytes_per_pass"] == sum(on_the_host.values())
 
 
 def test_a_forward_that_fails_leaves_nothing_pinned_and_the_error_is_comfyui_ggufs(gguf_models, fake_cudart):

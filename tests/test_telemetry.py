@@ -24,9 +24,9 @@ from run_nodes import run_node, run_txt2img
 FRONT_END_FIELDS = {
     "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "prefetch", "back_offs", "resident_bytes",
     "streamed_bytes_per_pass", "pinned_bytes", "host_bytes", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
-    "compute_wait_ms", "hook_us_per_group", "formats", "steps", "bytes_per_step", "h2d_gbps", "step_gbps", "packed_bytes",
-    "in_place_bytes", "file_backed_bytes", "gathered_bytes", "gathered_from_disk_bytes", "gathered_bytes_per_step",
-    "gather_gbps",
+    "compute_wait_ms", "hook_us_per_group", "formats", "host_dequantized_bytes_per_pass", "steps", "bytes_per_step",
+    "h2d_gbps", "step_gbps", "packed_bytes", "in_place_bytes", "file_backed_bytes", "gathered_bytes",
+    "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps",
 }
 
 

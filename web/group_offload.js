@@ -98,6 +98,7 @@ function rows(stats) {
     return [["Resident", "–"], ["Streamed", "–"], ["Pinned", "–"], ["Per step", "–"], ["Host → GPU", "–"], ["GPU → host", "–"]];
   }
   const d2h = stats.bytes_d2h;
+  const dequantizedOnHost = stats.host_dequantized_bytes_per_pass ?? 0;
   return [
     ["Resident", `${stats.resident_groups} of ${plural(stats.groups, "group")} · ${formatBytes(stats.resident_bytes)}`],
     ["Streamed", `${plural(stats.streamed_groups, "group")} · ${formatBytes(stats.streamed_bytes_per_pass)} a pass`],
@@ -106,7 +107,9 @@ function rows(stats) {
     ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["Per step", `${formatBytes(stats.bytes_per_step)} streamed`],
     ["Host → GPU", `${formatRate(stats.h2d_gbps)} · compute wait ${formatMs(stats.compute_wait_ms)}`],
-    ["GPU → host", d2h === 0 ? "0 B · nothing copied back" : `${formatBytes(d2h)} copied back`, d2h === 0 ? COLORS.ok : COLORS.bad],
+    dequantizedOnHost > 0
+      ? ["GPU → host", `${formatBytes(dequantizedOnHost)} a pass, dequantized on the host · ${formatBytes(d2h)} copied back`, COLORS.bad]
+      : ["GPU → host", d2h === 0 ? "0 B · nothing copied back" : `${formatBytes(d2h)} copied back`, d2h === 0 ? COLORS.ok : COLORS.bad],
   ];
 }
 
