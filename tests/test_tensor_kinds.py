@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from run_nodes import run_txt2img
+from test_cuda_nodes import DEVICES, device  # noqa: F401  (device: a fixture; its "cuda" twin runs on a GPU)
 from test_nodes import load_offloaded, load_plain, models, offload  # noqa: F401  (models: a fixture)
 
 #: what a weight is, to the kernels that read it
-Kind = tuple[str, bool, bool, bool, torch.dtype, tuple[int, ...]]
+Kind = tuple[str, bool, bool, bool, torch.dtype, tuple[int, ...], str]
 
 LAYOUTS = {
     "streamed": {"residency": "stream_all", "prefetch": 1},
@@ -32,7 +33,8 @@ LAYOUTS = {
 
 
 def _kind(tensor: torch.Tensor, is_param: bool) -> Kind:
-    return (type(tensor).__name__, is_param, tensor.requires_grad, tensor.is_inference(), tensor.dtype, tensor.stride())
+    return (type(tensor).__name__, is_param, tensor.requires_grad, tensor.is_inference(), tensor.dtype, tensor.stride(),
+            tensor.device.type)
 
 
 @contextlib.contextmanager
@@ -67,10 +69,11 @@ def _sampled_kinds(model) -> dict[str, set[Kind]]:
     return seen
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("in_prompt", [True, False], ids=["loaded in a prompt", "loaded outside one"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("via", ["node", "loader"])
-def test_weights_keep_their_kind(models, fake_cudart, via, layout, in_prompt):
+def test_weights_keep_their_kind(models, device, via, layout, in_prompt):
     options = LAYOUTS[layout]
     if via == "node" and "host_memory" in options:
         options = {**options, "host_memory": "auto"}  # the node's blocks are in RAM already: packed
@@ -85,8 +88,9 @@ def test_weights_keep_their_kind(models, fake_cudart, via, layout, in_prompt):
         assert not changed, f"{len(changed)} weights changed kind (without -> with the pack), e.g. {min(changed.items())}"
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("via", ["node", "loader"])
-def test_fp8_weights_keep_their_kind(models, fake_cudart, via):
+def test_fp8_weights_keep_their_kind(models, device, via):
     with torch.inference_mode():
         expected = _sampled_kinds(load_plain("fp8_e4m3fn"))
         model = offload(load_plain("fp8_e4m3fn")) if via == "node" else load_offloaded("fp8_e4m3fn")
