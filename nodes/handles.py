@@ -161,7 +161,8 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     """Hooks on the diffusion model: the handle goes when a plain ModelPatcher drives it (one that
     ``own_handle`` never saw); each call closes the runs of groups its blocks' parts opened; and until a
     call has run blocks, the entries are being learnt: a block's tensor used outside all of them is an
-    error naming the model and the tensor, raised before it is used (``OutsideUseWatch``)."""
+    error naming the model and the tensor, raised before it is used (``OutsideUseWatch``; not while
+    torch.compile traces the whole model: its graphs would hold the check)."""
     diffusion_model = base_model.diffusion_model
     for hook in _GUARDS.pop(diffusion_model, []):
         hook.remove()
@@ -183,7 +184,8 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
         handle = handle_ref()
         if handle is not None and not learning["done"] and learning["watch"] is None:
             learning["entered"] = handle.ledger.hook_calls
-            learning["watch"] = OutsideUseWatch(handle, outside_use).__enter__()
+            if not torch.compiler.is_compiling():  # (torch.compile of the whole model traces this hook)
+                learning["watch"] = OutsideUseWatch(handle, outside_use).__enter__()
 
     @torch.compiler.disable
     def after_call(module, args, output):
@@ -194,7 +196,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
         if handle is None:
             return
         handle.close_open_groups()
-        if watch is not None and output is not None and handle.ledger.hook_calls > learning["entered"]:
+        if not learning["done"] and output is not None and handle.ledger.hook_calls > learning["entered"]:
             learning["done"] = True
             log.debug("Group Offload: %s runs its blocks through %s", name, ", ".join(handle.settle_entries()))
 
