@@ -17,6 +17,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, OutsideUseWatch, apply_group_offload, format_bytes, handle_of
 from .blocks import find_blocks
+from .compiler import ComfyCudaRuntime
 from .memory import (anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks, raw_group_bytes,
                      room_on_the_card)
 from .settings import OffloadSettings
@@ -111,6 +112,7 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         host_budget=packed_budget,
         pin_memory=ComfyPinner.enabled(),
         learn_entries=True,
+        **_runtime_for(torch.device(device)),
         pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
@@ -118,6 +120,11 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     _BUILT_WITH[handle] = settings.handle_layout()
     _log_host_copies(handle, settings, packed_budget)
     return handle
+
+
+def _runtime_for(device: torch.device) -> dict:
+    """On a CUDA device, the runtime that makes the streaming buffers outside ComfyUI's memory compiler."""
+    return {"runtime": ComfyCudaRuntime(device)} if device.type == "cuda" else {}
 
 
 def packed_host_bytes() -> int:
