@@ -31,10 +31,11 @@ class ComfyPinner:
     """Pins the mirrors of one diffusion model through ComfyUI's ``pin_memory``, so that its
     pinned-memory total and limit count them.
 
-    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
-    mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
-    ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: newest ComfyUI's ``pin_memory`` registers
-    past it once it has evicted what it can of its own. Past the limit, other offloaded models give
+    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``; 0.33.0
+    plain tensors too); a mirror is handed over as a Parameter over the same storage, which ComfyUI
+    registers in place. ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: from 0.33.0 on,
+    ``pin_memory`` evicts what it can of its own pins (``ensure_pin_registerable``) and then registers
+    even past the limit. Past the limit, other offloaded models give
     their pins up first (see ``_make_pin_room``); what still does not fit stays in pageable memory and, on
     a GPU, streams through the handle's pinned staging buffers.
     """
