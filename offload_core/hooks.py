@@ -218,15 +218,17 @@ class PartWrappers:
     one). A part entry opens its group's run if none is open, and leaves it open: the run closes as the
     next group opens, or at the end of the model call (``GroupHooks.close_open_groups``).
 
-    Learnt at the first model call that runs blocks (``settle``): an entry called only inside another one
-    (a Linear inside its block's ``forward``) is unwrapped, so that a block's ``forward`` compiles whole
-    again; one that opened a run stays, and so does one never called (a method a later call may use).
+    Learnt at the first model call that runs blocks (``settle``): the entries that opened a run stay, the
+    others are unwrapped (a Linear inside its block's ``forward``), so that a block's ``forward`` compiles
+    whole again; but a block's own method never called stays: a later call may run the block through it
+    (SenseNova-U1.5 runs ``forward_prefix`` only in calls given no precomputed prefix).
     """
 
     def __init__(self, entry_methods: tuple[str, ...]) -> None:
         self._entry_methods = entry_methods
         self._wrapped: dict[tuple[int, str], tuple[nn.Module, str, Callable]] = {}
         self._seen: dict[tuple[int, str], bool] = {}  # entry -> whether it ever opened its group's use
+        self._of_blocks: set[tuple[int, str]] = set()  # the entries that are methods of a block itself
         self._learning = True
 
     def wrap(self, group: ModuleGroup, enter: EnterFn, leave: LeaveFn) -> None:
@@ -236,14 +238,18 @@ class PartWrappers:
                         if module is not block and _holds_tensors(module) and _has_forward(module)]
             for module, name in entries:
                 key = (id(module), name)
+                if module is block:
+                    self._of_blocks.add(key)
                 if key not in self._wrapped:
                     wrapper = self._part_call(key, group, getattr(module, name), enter, leave)
                     setattr(module, name, wrapper)
                     self._wrapped[key] = (module, name, wrapper)
 
     def settle(self) -> list[str]:
-        """Unwrap the entries that were called, but only inside another entry; the names of those kept."""
-        for key in [key for key, opened in self._seen.items() if not opened]:
+        """Unwrap the entries that opened no run (but a block's own method never called); the names of those
+        kept."""
+        unused = [key for key in self._wrapped if not self._seen.get(key, key in self._of_blocks)]
+        for key in unused:
             module, name, wrapper = self._wrapped.pop(key)
             if module.__dict__.get(name) is wrapper:
                 delattr(module, name)

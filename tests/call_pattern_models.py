@@ -151,15 +151,28 @@ class DecoderLayer(nn.Module):
 
 
 class SenseNovaLike(_StandIn):
+    """``cached_calls``: the indices of the calls (counted in ``calls``) given the prefix's keys and values
+    the last call computed (``kv_cache``), as SenseNovaGenerate precomputes them: those skip ``forward_prefix``."""
+
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer() for _ in range(4))
+        self.cached_calls: set[int] = set()
+        self.calls = 0
+        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def run_blocks(self, image: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        prefix = context
-        for layer in self.layers:
-            prefix, k, v = layer.forward_prefix(prefix)
+        call, self.calls = self.calls, self.calls + 1
+        cached = self.kv_cache if call in self.cached_calls else None
+        prefix, computed = context, []
+        for i, layer in enumerate(self.layers):
+            if cached is None:
+                prefix, k, v = layer.forward_prefix(prefix)
+                computed.append((k, v))
+            else:
+                k, v = cached[i]
             image = layer.forward_generation(image, k, v)
+        self.kv_cache = computed or self.kv_cache
         return image
 
 

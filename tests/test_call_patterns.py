@@ -59,11 +59,14 @@ def reset(model: torch.nn.Module) -> None:
         model.prefix_cache.clear()
     if isinstance(model, stand_ins.Kandinsky6Like):
         model.calls, model.residual = 0, None
+    if isinstance(model, stand_ins.SenseNovaLike):
+        model.calls = 0  # (its kv_cache stays: the same weights and context computed it)
 
 
 PATTERNS = {
     "prism_parts_called_directly": (stand_ins.PrismLike, {}),
     "sensenova_other_methods": (stand_ins.SenseNovaLike, {}),
+    "sensenova_precomputed_prefix_first": (stand_ins.SenseNovaLike, {"cached": {0, 2}}),
     "qwen_image21_blocks_twice": (stand_ins.QwenImage21Like, {}),
     "qwen_image21_blocks_twice_grouped": (stand_ins.QwenImage21Like, {"blocks_per_group": 2}),
     "kandinsky6_skipped_calls": (stand_ins.Kandinsky6Like, {"skip": {1, 3}}),
@@ -81,6 +84,10 @@ def test_each_call_pattern_streams_bit_identically(comfy, pattern):
     skip = options.get("skip", set())
     if skip:
         model.skip_calls = skip
+    if options.get("cached"):  # a prefix precomputed before the first call (SenseNovaGenerate's)
+        call(plain, 0)
+        model.cached_calls = options["cached"]
+        reset(model)
     seed_residual = (lambda: setattr(model, "residual", torch.zeros(1, 1, stand_ins.WIDTH))) \
         if options.get("residual") else (lambda: None)
     seed_residual()
@@ -97,6 +104,8 @@ def test_each_call_pattern_streams_bit_identically(comfy, pattern):
             if step not in skip or step == 0 and not options.get("residual"):
                 assert sent >= streamed_bytes(handle), f"call {step} sent {sent} of {streamed_bytes(handle)} bytes"
         assert handle.stats()["streamed_bytes_per_pass"] == streamed_bytes(handle) > 0
+        if options.get("cached"):
+            assert "forward_prefix" in vars(model.layers[0]), "a block method the first call skipped stays an entry"
         assert handle.stats()["bytes_d2h"] == 0
     finally:
         mm.unload_all_models()
