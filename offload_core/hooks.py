@@ -283,11 +283,11 @@ class PartWrappers:
 
 
 def _public_methods(block: nn.Module) -> list[str]:
-    """The public plain methods ``block``'s own classes define (below ``nn.Module``)."""
+    """The public plain methods ``block``'s own classes define (not torch's: a ``Sequential``'s ``append``)."""
     names: list[str] = []
     for cls in type(block).__mro__:
-        if cls is nn.Module:
-            break
+        if cls.__module__.partition(".")[0] == "torch":
+            continue
         names += [name for name, value in vars(cls).items()
                   if inspect.isfunction(value) and not name.startswith("_") and name not in names]
     return names
