@@ -6,8 +6,9 @@ most of them, in the order in which the model registers them.  Lists inside a su
 where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
 with blocks of its own).  For the DiTs ComfyUI ships, registration order is the order of the lists'
 first block calls in a forward (``tests/test_block_finder.py`` traces each).
-``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason;
-``_ENTRY_METHODS`` the few that run their blocks through methods other than ``forward``.
+``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason. How a model
+calls its blocks (their ``forward``, other methods, their parts one by one) needs no entry here: the
+handle learns it at the first call (``offload_core.hooks.PartWrappers``).
 """
 from __future__ import annotations
 
@@ -34,13 +35,6 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "BooguTransformer2DModel": ("double_stream_layers", "single_stream_layers"),
     # Wan VACE: vace_blocks run interleaved with the main blocks, once per VACE input.
     "VaceWanModel": ("blocks",),
-}
-
-# Diffusion model class (or a base class of it) -> the methods it runs each block through, in the order
-# of one visit of a block, where that is not the block's forward.
-_ENTRY_METHODS: dict[str, tuple[str, ...]] = {
-    # Wan Animate 2: forward_pose (or, from its pose cache, kv_from_input), then forward_gen.
-    "WanAnimate2Model": ("forward_pose", "kv_from_input", "forward_gen"),
 }
 
 # Found once per model, while its lists are in place: the patcher hides them during ComfyUI's load.
@@ -140,10 +134,3 @@ def find_blocks(diffusion_model: nn.Module) -> list[nn.Module]:
     paths = block_list_paths(diffusion_model)
     return [block for path in paths for block in diffusion_model.get_submodule(path).children()]
 
-
-def block_entry_methods(diffusion_model: nn.Module) -> tuple[str, ...]:
-    """The methods through which ``diffusion_model`` runs its blocks (see ``_ENTRY_METHODS``)."""
-    for cls in type(diffusion_model).__mro__:
-        if (names := _ENTRY_METHODS.get(cls.__name__)) is not None:
-            return names
-    return ("forward",)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import weakref
 
 import torch
@@ -16,8 +15,9 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
-from ..offload_core import GroupOffloadHandle, apply_group_offload, format_bytes, handle_of
-from .blocks import block_entry_methods, find_blocks
+from ..offload_core import GroupOffloadHandle, OutsideUseWatch, apply_group_offload, format_bytes, handle_of
+from .blocks import find_blocks
+from .compiler import ComfyCudaRuntime
 from .memory import (anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks, raw_group_bytes,
                      room_on_the_card)
 from .settings import OffloadSettings
@@ -31,10 +31,11 @@ class ComfyPinner:
     """Pins the mirrors of one diffusion model through ComfyUI's ``pin_memory``, so that its
     pinned-memory total and limit count them.
 
-    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``); a
-    mirror is handed over as a Parameter over the same storage, which ComfyUI registers in place.
-    ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: newest ComfyUI's ``pin_memory`` registers
-    past it once it has evicted what it can of its own. Past the limit, other offloaded models give
+    ComfyUI 0.3.75 pins only tensors whose type is named ``Parameter`` (or ``QuantizedTensor``; 0.33.0
+    plain tensors too); a mirror is handed over as a Parameter over the same storage, which ComfyUI
+    registers in place. ComfyUI's limit (``MAX_PINNED_MEMORY``) is kept here: from 0.33.0 on,
+    ``pin_memory`` evicts what it can of its own pins (``ensure_pin_registerable``) and then registers
+    even past the limit. Past the limit, other offloaded models give
     their pins up first (see ``_make_pin_room``); what still does not fit stays in pageable memory and, on
     a GPU, streams through the handle's pinned staging buffers.
     """
@@ -111,7 +112,8 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         resident_bytes=plan.resident_bytes,
         host_budget=packed_budget,
         pin_memory=ComfyPinner.enabled(),
-        entry_methods=block_entry_methods(model.diffusion_model),
+        learn_entries=True,
+        **_runtime_for(torch.device(device)),
         pinner=ComfyPinner(model.diffusion_model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
@@ -119,6 +121,11 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     _BUILT_WITH[handle] = settings.handle_layout()
     _log_host_copies(handle, settings, packed_budget)
     return handle
+
+
+def _runtime_for(device: torch.device) -> dict:
+    """On a CUDA device, the runtime that makes the streaming buffers outside ComfyUI's memory compiler."""
+    return {"runtime": ComfyCudaRuntime(device)} if device.type == "cuda" else {}
 
 
 def packed_host_bytes() -> int:
@@ -160,42 +167,50 @@ def handle_for_model(base_model: nn.Module) -> GroupOffloadHandle:
 
 def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     """Hooks on the diffusion model: the handle goes when a plain ModelPatcher drives it (one that
-    ``own_handle`` never saw), and its first forward must run blocks through the handle."""
+    ``own_handle`` never saw); each call closes the runs of groups its blocks' parts opened; and until a
+    call has run blocks, the entries are being learnt: a block's tensor used outside all of them is an
+    error naming the model and the tensor, raised before it is used (``OutsideUseWatch``; not while
+    torch.compile traces the whole model: its graphs would hold the check)."""
     diffusion_model = base_model.diffusion_model
     for hook in _GUARDS.pop(diffusion_model, []):
         hook.remove()
     model_ref, handle_ref = weakref.ref(base_model), weakref.ref(handle)
+    learning = {"watch": None, "entered": 0, "done": False}
+    name = type(diffusion_model).__name__
 
-    def check_patcher(module, args):
+    def outside_use(qualname: str) -> str:
+        return (f"Group Offload: {name} uses {qualname} of its transformer blocks without calling the block or a "
+                f"module in it, so Group Offload cannot stream it (it would compute from host memory): connect the "
+                f"model to the sampler without Group Offload")
+
+    def before_call(module, args):
         patcher = getattr(model_ref(), "current_patcher", None)
         if patcher is not None and patcher not in _OFFLOAD_PATCHERS:
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_handle(model_ref())
-
-    checked = False
+            return
+        handle = handle_ref()
+        if handle is not None and not learning["done"] and learning["watch"] is None:
+            learning["entered"] = handle.ledger.hook_calls
+            if not torch.compiler.is_compiling():  # (torch.compile of the whole model traces this hook)
+                learning["watch"] = OutsideUseWatch(handle, outside_use).__enter__()
 
     @torch.compiler.disable
-    def check_blocks_ran(module, args, output):
-        nonlocal checked
+    def after_call(module, args, output):
+        watch, learning["watch"] = learning["watch"], None
+        if watch is not None:
+            watch.__exit__(None, None, None)
         handle = handle_ref()
-        if checked or handle is None:
+        if handle is None:
             return
-        checked = True
-        if handle.stats()["hook_calls"]:
-            return
-        ran = (f"Group Offload: {type(module).__name__} ran without running any of its blocks through "
-               f"{' / '.join(handle.config.entry_methods)}")
-        if output is not None:
-            raise RuntimeError(f"{ran}, so they computed from host memory instead of streaming; it runs them some "
-                               f"other way: connect the model to the sampler without Group Offload")
-        error = sys.exc_info()[1]  # the forward raised: this hook runs while it propagates
-        if error is not None:
-            error.add_note(f"{ran} before this error. If it is a device mismatch, the model runs its blocks some "
-                           f"other way, which Group Offload cannot stream: connect it to the sampler without it.")
+        handle.close_open_groups()
+        if not learning["done"] and output is not None and handle.ledger.hook_calls > learning["entered"]:
+            learning["done"] = True
+            log.debug("Group Offload: %s runs its blocks through %s", name, ", ".join(handle.settle_entries()))
 
     _HANDLES[base_model] = handle_ref
-    _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(check_patcher),
-                                diffusion_model.register_forward_hook(check_blocks_ran, always_call=True)]
+    _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(before_call),
+                                diffusion_model.register_forward_hook(after_call, always_call=True)]
 
 
 # --- ownership and removal ---------------------------------------------------------------------

@@ -298,8 +298,8 @@ def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
         clone = model.clone(disable_dynamic=True, model_override=_NON_DYNAMIC_TWINS.get(model.model))
     except RuntimeError as error:
         raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
-                         "that; use Load Diffusion Model (Group Offload), or start ComfyUI with "
-                         "--disable-dynamic-vram") from error
+                         "that; load it with Load Diffusion Model (Group Offload), which reads the file without "
+                         "Dynamic VRAM") from error
     _NON_DYNAMIC_TWINS[model.model] = clone.get_clone_model_override()
     return clone
 

@@ -13,6 +13,7 @@ import comfy.model_management as mm
 import comfy.sampler_helpers
 
 from ..offload_core import GroupOffloadHandle, call_backing_off, format_bytes
+from .compiler import close_half_open, is_out_of_memory
 from .handles import handle_for_model
 from .memory import RUN_ACTIVATIONS
 
@@ -52,7 +53,8 @@ def apply_model_backing_off(executor, *args, **kwargs):
     handle = handle_for_model(base_model)  # (``load`` built it before any forward)
     try:
         return call_backing_off(handle, lambda: executor(*args, **kwargs),
-                                advice=lambda: _what_would_fit(base_model, handle))
+                                advice=lambda: _what_would_fit(base_model, handle),
+                                out_of_memory=is_out_of_memory, before_retry=close_half_open)
     except mm.InterruptProcessingException:
         raise  # (the user stopped the run: the model is fine)
     except Exception:

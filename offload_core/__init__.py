@@ -7,6 +7,7 @@ from .hostmem import FileMappings, SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
 from .subclass import UnpackableTensorError, flatten, packed_nbytes, plain_subclass
+from .watch import OutsideUseError, OutsideUseWatch
 
 __all__ = [
     "CudaHostRegister",
@@ -14,6 +15,8 @@ __all__ = [
     "GroupOffloadHandle",
     "OffloadConfig",
     "OutOfMemoryAfterBackOff",
+    "OutsideUseError",
+    "OutsideUseWatch",
     "Pinner",
     "Residency",
     "SourceChangedError",

@@ -32,9 +32,17 @@ class OutOfMemoryAfterBackOff(torch.OutOfMemoryError):
                          f"{advice}".rstrip())
 
 
+def is_torch_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError)
+
+
 def call_backing_off(handle: GroupOffloadHandle, call: Callable[[], T],
-                     advice: Callable[[], str] | None = None) -> T:
-    """``call()``; each time it raises ``torch.OutOfMemoryError``, ``handle.back_off()`` and call it again.
+                     advice: Callable[[], str] | None = None, *,
+                     out_of_memory: Callable[[BaseException], bool] = is_torch_out_of_memory,
+                     before_retry: Callable[[], None] | None = None) -> T:
+    """``call()``; each time it raises an error ``out_of_memory`` recognises (``torch.OutOfMemoryError``
+    unless told), ``handle.back_off()`` and call it again, after ``before_retry()`` (what the failed call
+    left half-done around the model and must not run into again, such as a memory compiler's scope).
 
     When no plan holds less, raises ``OutOfMemoryAfterBackOff`` (from the last error), its message
     ending in ``advice()`` (what would fit, in the caller's terms).
@@ -43,10 +51,14 @@ def call_backing_off(handle: GroupOffloadHandle, call: Callable[[], T],
     while True:
         try:
             return call()
-        except torch.OutOfMemoryError as error:
+        except Exception as error:
+            if not out_of_memory(error):
+                raise
             if not handle.back_off():
                 raise OutOfMemoryAfterBackOff(tried, advice() if advice is not None else "") from error
             log.debug("out of device memory (%s); falling back to %s", error, handle.residency())
         # Out of the except block, the error and the failed call's frames are gone.
+        if before_retry is not None:
+            before_retry()
         handle.empty_device_cache()
         tried.append(handle.residency())

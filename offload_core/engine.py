@@ -42,7 +42,7 @@ class GroupOffloadHandle(GroupHooks):
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, resident_bytes: int,
                  fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None,
-                 runtime: Runtime | None = None, host_budget: int | None = None) -> None:
+                 runtime: Runtime | None = None, host_budget: int | None = None, learn_entries: bool = False) -> None:
         self.config = config
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
@@ -52,7 +52,8 @@ class GroupOffloadHandle(GroupHooks):
         self._patch = OnloadPatch()
         transfers = Transfers(groups, config.onload_device, runtime, pinner, self._patch)
         self._pins, self._slabs = transfers.pins, transfers.slabs
-        super().__init__(groups, Schedule(len(groups), config.prefetch), transfers, config.entry_methods)
+        super().__init__(groups, Schedule(len(groups), config.prefetch), transfers, config.entry_methods,
+                         learn_entries)
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(resident_bytes)
@@ -231,6 +232,8 @@ class GroupOffloadHandle(GroupHooks):
         self._pins.drop_staging()
         self._forget_slabs()
         self._wrappers.remove()
+        if self._parts is not None:
+            self._parts.remove()
 
     def _finish_copies(self) -> None:
         self._transfers.finish_copies()
@@ -256,6 +259,7 @@ def apply_group_offload(
     progress: Callable[[int, int], None] | None = None,
     runtime: Runtime | None = None,
     host_budget: int | None = None,
+    learn_entries: bool = False,
 ) -> GroupOffloadHandle:
     """Keep ``blocks`` in packed host mirrors and stream them to ``onload_device`` group by group.
 
@@ -271,6 +275,9 @@ def apply_group_offload(
     the groups beyond it keep their tensors where they are (views of a mapped file cost no anonymous
     memory) and are gathered at each onload, through a staging ring on a CUDA device. It cannot go
     with ``fill``, which writes every tensor into a packed mirror.
+    ``learn_entries``: also stream a block wherever the model uses it from, its other public methods or
+    the modules inside it called directly (``hooks.PartWrappers``); call ``close_open_groups`` at the end
+    of each model call, and ``settle_entries`` after the first one that ran blocks.
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
                            blocks_per_group, prefetch, pin_memory, tuple(entry_methods))
@@ -290,7 +297,8 @@ def apply_group_offload(
             raise ValueError(f"blocks[{i}] is already group-offloaded; call remove() on its handle before applying again")
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
-    return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime, host_budget)
+    return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime, host_budget,
+                              learn_entries)
 
 
 def handle_of(block: nn.Module) -> GroupOffloadHandle | None:

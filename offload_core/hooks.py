@@ -1,7 +1,8 @@
 """The hooks: what happens when a group is entered and left, and the wrappers that call them.
 
 Per group, per forward (each block's ``forward`` is wrapped, or the methods a model calls instead, see
-``apply_group_offload``'s ``entry_methods``):
+``apply_group_offload``'s ``entry_methods``; with ``learn_entries``, also every other place a model may
+use a block from, see ``PartWrappers``):
 
 - ``_enter`` (before the group's first block runs): make sure the group is on the device, make the
   compute stream wait for its copy, then start copying the next streamed groups on the side stream;
@@ -17,6 +18,7 @@ and what the streams wait for, the transfers' (``transfers.py``).
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable
 
@@ -37,20 +39,49 @@ class GroupHooks:
     """Enter and leave for the groups of one handle (``GroupOffloadHandle`` is one, with its public face)."""
 
     def __init__(self, groups: list[ModuleGroup], schedule: Schedule, transfers: Transfers,
-                 entry_methods: tuple[str, ...]) -> None:
+                 entry_methods: tuple[str, ...], learn_entries: bool = False) -> None:
         self.groups = groups
         self._schedule = schedule
         self._transfers = transfers
         self._active: set[int] = set()  # the groups whose run is open
+        self.busy = False  # in ``_enter`` / ``_leave``: their own uses of the groups' tensors (see ``watch.py``)
         self._wrappers = EntryWrappers(entry_methods)
+        self._parts = PartWrappers(entry_methods) if learn_entries else None
         for group in groups:
             self._wrappers.wrap(group, self._enter, self._leave)
+            if self._parts is not None:
+                self._parts.wrap(group, self._enter, self._leave)
+
+    def is_open(self, group: ModuleGroup) -> bool:
+        """Whether ``group``'s tensors may be used now: one of its entries runs, or its run is open."""
+        return group.running > 0 or group.index in self._active
+
+    @torch.compiler.disable
+    def close_open_groups(self) -> None:
+        """At the end of a model call: close the runs no call of a block ends (those opened by its parts)."""
+        self.busy = True
+        try:
+            self._close_unfinished()
+        finally:
+            self.busy = False
+
+    def settle_entries(self) -> list[str]:
+        """After a model call that ran blocks: keep only the part entries that opened a use of their group
+        (``PartWrappers.settle``); the names of those kept."""
+        return [] if self._parts is None else self._parts.settle()
 
     @torch.compiler.disable
     def _enter(self, group: ModuleGroup, first: bool) -> None:
         group.running += 1
         if group.index in self._active and (group.running > 1 or not first):
             return  # a later block of a group that is already running (its first block again: a new run)
+        self.busy = True
+        try:
+            self._open(group)
+        finally:
+            self.busy = False
+
+    def _open(self, group: ModuleGroup) -> None:
         started = time.perf_counter()
         if self._active:
             self._close_unfinished()
@@ -70,12 +101,16 @@ class GroupHooks:
     @torch.compiler.disable
     def _leave(self, group: ModuleGroup, close: bool, failed: bool = False) -> None:
         group.running -= 1
-        if not failed:
-            self._prefetch_after(group, pageable=True)
-        if close:
-            started = time.perf_counter()
-            self._close(group)
-            self._transfers.ledger.record_hook(time.perf_counter() - started, entered=False)
+        self.busy = True
+        try:
+            if not failed:
+                self._prefetch_after(group, pageable=True)
+            if close:
+                started = time.perf_counter()
+                self._close(group)
+                self._transfers.ledger.record_hook(time.perf_counter() - started, entered=False)
+        finally:
+            self.busy = False
 
     def _take_ready(self, group: ModuleGroup) -> None:
         """The host waits for the worker to queue ``group``'s staged copy (``Transfers.take_ready``)."""
@@ -174,3 +209,93 @@ class EntryWrappers:
             return output
 
         return offloaded_call
+
+
+class PartWrappers:
+    """Entries beside the blocks' entry methods, for models that use a block some other way: the block's
+    other public methods (SenseNova-U1.5's ``forward_prefix`` / ``forward_generation``) and the ``forward``
+    of every module inside it that holds tensors (Prism's fused blocks, whose parts the model calls one by
+    one). A part entry opens its group's run if none is open, and leaves it open: the run closes as the
+    next group opens, or at the end of the model call (``GroupHooks.close_open_groups``).
+
+    Learnt at the first model call that runs blocks (``settle``): the entries that opened a run stay, the
+    others are unwrapped (a Linear inside its block's ``forward``), so that a block's ``forward`` compiles
+    whole again; but a block's own method never called stays: a later call may run the block through it
+    (SenseNova-U1.5 runs ``forward_prefix`` only in calls given no precomputed prefix).
+    """
+
+    def __init__(self, entry_methods: tuple[str, ...]) -> None:
+        self._entry_methods = entry_methods
+        self._wrapped: dict[tuple[int, str], tuple[nn.Module, str, Callable]] = {}
+        self._seen: dict[tuple[int, str], bool] = {}  # entry -> whether it ever opened its group's use
+        self._of_blocks: set[tuple[int, str]] = set()  # the entries that are methods of a block itself
+        self._learning = True
+
+    def wrap(self, group: ModuleGroup, enter: EnterFn, leave: LeaveFn) -> None:
+        for block in group.blocks:
+            entries = [(block, name) for name in _public_methods(block) if name not in self._entry_methods]
+            entries += [(module, "forward") for module in block.modules()
+                        if module is not block and _holds_tensors(module) and _has_forward(module)]
+            for module, name in entries:
+                key = (id(module), name)
+                if module is block:
+                    self._of_blocks.add(key)
+                if key not in self._wrapped:
+                    wrapper = self._part_call(key, group, getattr(module, name), enter, leave)
+                    setattr(module, name, wrapper)
+                    self._wrapped[key] = (module, name, wrapper)
+
+    def settle(self) -> list[str]:
+        """Unwrap the entries that opened no run (but a block's own method never called); the names of those
+        kept."""
+        unused = [key for key in self._wrapped if not self._seen.get(key, key in self._of_blocks)]
+        for key in unused:
+            module, name, wrapper = self._wrapped.pop(key)
+            if module.__dict__.get(name) is wrapper:
+                delattr(module, name)
+        self._seen.clear()
+        self._learning = False
+        return sorted({f"{type(module).__name__}.{name}" for module, name, _ in self._wrapped.values()})
+
+    def remove(self) -> None:
+        for module, name, wrapper in self._wrapped.values():
+            if module.__dict__.get(name) is wrapper:
+                delattr(module, name)
+        self._wrapped.clear()
+
+    def _part_call(self, key: tuple[int, str], group: ModuleGroup, method: Callable, enter: EnterFn,
+                   leave: LeaveFn) -> Callable:
+        def part_call(*args, **kwargs):
+            if key not in self._wrapped:  # unwrapped while someone else's wrapper still calls this one
+                return method(*args, **kwargs)
+            if self._learning:
+                self._seen[key] = self._seen.get(key, False) or group.running == 0
+            try:
+                enter(group, False)
+                output = method(*args, **kwargs)
+            except BaseException:
+                leave(group, close=True, failed=True)
+                raise
+            leave(group, close=False)
+            return output
+
+        return part_call
+
+
+def _public_methods(block: nn.Module) -> list[str]:
+    """The public plain methods ``block``'s own classes define (not torch's: a ``Sequential``'s ``append``)."""
+    names: list[str] = []
+    for cls in type(block).__mro__:
+        if cls.__module__.partition(".")[0] == "torch":
+            continue
+        names += [name for name, value in vars(cls).items()
+                  if inspect.isfunction(value) and not name.startswith("_") and name not in names]
+    return names
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
