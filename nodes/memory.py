@@ -198,10 +198,11 @@ def page_cache_room(handle: GroupOffloadHandle, base_model: nn.Module) -> HostRo
     """The page cache the groups a run gathers in place may hold (``GroupOffloadHandle.keep_cached``), as the run
     starts: the least room under the process's limits (``host_limits``; the page cache counts as room, the kernel
     reclaims it first), less what the run is yet to add to anonymous memory where ComfyUI computes on the CPU: the
-    streaming buffers it has not made yet and the activations (``BATCH_ROOM`` × ComfyUI's estimate for the run)."""
+    streaming buffers it has not made yet and the activations (ComfyUI's estimate for the run). An expectation, not
+    a bound: a room too large costs reads from the disk (the kernel drops cached pages for the run), never a kill."""
     tightest = min((room for room, _ in host_limits()), key=lambda room: room.bytes)
     to_come = 0
     if handle.config.onload_device.type == "cpu":
         to_come = max(0, handle.device_bytes_needed() - handle.stats()["slab_bytes"])
-        to_come += int(BATCH_ROOM * RUN_ACTIVATIONS.get(base_model, 0))
+        to_come += RUN_ACTIVATIONS.get(base_model, 0)
     return HostRoom(max(0, tightest.bytes - to_come), tightest.bound_by)

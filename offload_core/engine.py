@@ -107,15 +107,17 @@ class GroupOffloadHandle(GroupHooks):
         kernel's LRU drops each page shortly before it is read again, and every step reads all of them from
         the disk. Instead, the first ones that fit (``hostmem.groups_kept_cached``) stay cached and the
         others' pages are released after each of their gathers, so that a step reads only those again. Room
-        is left for the ones in flight: the group being gathered and those read ahead (``prefetch``). A
-        resident group is gathered once per load: its pages are released then too.
+        is left for the ones in flight: the group being gathered and, where the gather worker reads the next
+        ones ahead (a CUDA device), those (``prefetch``). A resident group is gathered once per load: its pages
+        are released then too.
         """
         in_place = [g for g in self.groups if not g.mirror.packed]
         streamed = [g.nbytes for g in in_place if not g.resident]
         if room is None or sum(streamed) <= max(0, room):
             kept = [True] * len(in_place)
         else:
-            in_flight = (1 + self.prefetch) * max(streamed)
+            read_ahead = self.prefetch if self._transfers.runtime is not None else 0
+            in_flight = (1 + read_ahead) * max(streamed)
             cached = iter(groups_kept_cached(streamed, room - in_flight))
             kept = [not g.resident and next(cached) for g in in_place]
         for group, stays in zip(in_place, kept):

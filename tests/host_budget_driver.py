@@ -30,7 +30,8 @@ diffusion-model call (one a step) the handle's ``stats()`` after it (``calls``),
 ``/proc/self/io``: every thread, the kernel's read-ahead included); how much of the model file the page
 cache held as sampling started (``page_cache``); in a box, its ``memory.stat`` after each call
 (``box_stats``: ``total_cache``, ``total_rss``, in bytes) and its peak (``box_peak_bytes``); the bytes of
-each group kept in place (``in_place_group_bytes``); the ComfyUI and torch versions.
+each group kept in place (``in_place_group_bytes``); the limit that bound the host budget (``host_limit``);
+the ComfyUI and torch versions.
 """
 from __future__ import annotations
 
@@ -237,6 +238,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "page_cache": cached,
         "in_place_group_bytes": [] if spec["via"] == "plain" else
         [group.nbytes for group in offload_handle(model).groups if not group.mirror.packed],
+        "host_limit": None if spec["via"] == "plain" else pack_module("nodes.handles").host_limit(offload_handle(model)),
         **({"box_stats": calls.box_stats, "box_peak_bytes": int((box / "memory.max_usage_in_bytes").read_text())}
            if box is not None else {}),
         "versions": {"comfyui": comfyui_version(), "torch": torch.__version__},
