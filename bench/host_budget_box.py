@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
             rows += version_rows
             notes.append(note)
     markdown = "\n\n".join([
-        f"Measured by `.venv/bin/python bench/host_budget_box.py --versions {args.versions or ''}` on "
+        f"Measured by `.venv/bin/python bench/host_budget_box.py{' --versions ' + args.versions if args.versions else ''}` on "
         f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min; {machine()}; ComfyUI with "
         f"`--cpu`. Steps from the third on (medians).",
         " ".join(notes),
