@@ -18,8 +18,8 @@ from comfy.model_patcher import ModelPatcher
 from ..offload_core import GroupOffloadHandle, OutsideUseWatch, apply_group_offload, format_bytes, handle_of
 from .blocks import find_blocks
 from .compiler import ComfyCudaRuntime
-from .memory import (anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks, raw_group_bytes,
-                     room_on_the_card)
+from .memory import (HostBudget, anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks,
+                     raw_group_bytes, room_on_the_card)
 from .settings import OffloadSettings
 
 log = logging.getLogger(__name__)
@@ -102,15 +102,15 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     other_bytes = mm.module_size(model) - module_bytes(blocks)
     plan = plan_blocks(settings, raw_group_bytes(blocks, settings.blocks_per_group),  # so it pins what will stream
                        room_on_the_card(model, device, other_bytes))
-    packed_budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
-                                freed_by_packing=anonymous_host_bytes(blocks))
+    budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
+                         freed_by_packing=anonymous_host_bytes(blocks))
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
         blocks_per_group=settings.blocks_per_group,
         prefetch=settings.prefetch,
         resident_bytes=plan.resident_bytes,
-        host_budget=packed_budget,
+        host_budget=budget.bytes,
         pin_memory=ComfyPinner.enabled(),
         learn_entries=True,
         **_runtime_for(torch.device(device)),
@@ -119,7 +119,8 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     )
     _guard(model, handle)
     _BUILT_WITH[handle] = settings.handle_layout()
-    _log_host_copies(handle, settings, packed_budget)
+    _HOST_LIMIT[handle] = budget.bound_by
+    _log_host_copies(handle, settings, budget)
     return handle
 
 
@@ -134,17 +135,24 @@ def packed_host_bytes() -> int:
     return sum(handle.stats()["packed_bytes"] for handle in handles if handle is not None)
 
 
-def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, packed_budget: int | None) -> None:
+def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, budget: HostBudget) -> None:
     stats = handle.stats()
     in_place = (f", {format_bytes(stats['in_place_bytes'])} left in place ({format_bytes(stats['file_backed_bytes'])} "
                 f"of it file-backed, read through the page cache)" if stats["in_place_bytes"] else "")
-    allowed = "all of it fits" if packed_budget is None else f"{format_bytes(packed_budget)} allowed"
-    log.info("Group Offload: %s of the blocks packed in host memory%s (host_memory %s: %s)",
-             format_bytes(stats["packed_bytes"]), in_place, settings.host_memory, allowed)
+    allowed = "all of it fits" if budget.bytes is None else f"{format_bytes(budget.bytes)} allowed"
+    log.info("Group Offload: %s of the blocks packed in host memory%s (host_memory %s: %s, bound by %s)",
+             format_bytes(stats["packed_bytes"]), in_place, settings.host_memory, allowed, budget.bound_by)
 
 
 # Handle -> the settings it was built for (``OffloadSettings.handle_layout``): other settings need a new handle.
 _BUILT_WITH: "weakref.WeakKeyDictionary[GroupOffloadHandle, tuple]" = weakref.WeakKeyDictionary()
+# Handle -> the limit that bound its host budget (``HostBudget.bound_by``): the readout names it.
+_HOST_LIMIT: "weakref.WeakKeyDictionary[GroupOffloadHandle, str]" = weakref.WeakKeyDictionary()
+
+
+def host_limit(handle: GroupOffloadHandle) -> str | None:
+    """The limit that bound ``handle``'s host budget when ``build_handle`` built it."""
+    return _HOST_LIMIT.get(handle)
 
 
 def built_for(handle: GroupOffloadHandle) -> tuple | None:

@@ -4,7 +4,9 @@ bytes the packed host copies may use.
 ``plan_blocks`` is the one place that turns the settings and the memory free into a resident budget;
 the patcher's ``model_size``, the handle's build and ``load`` all call it. Which groups that budget
 keeps resident is the core's rule (``offload_core.plan_residency``). ``host_budget`` is the one place
-that turns the settings and the RAM available into a host budget, once, when the handle is built.
+that turns the settings and the host memory available into a host budget, once, when the handle is built:
+the RAM available and a container's limit (its memory cgroup's), whichever is tighter; ``page_cache_room``
+gives the groups left in place their page cache at each run.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from torch import nn
 
 import comfy.model_management as mm
 
-from ..offload_core import FileMappings, device_footprint, flatten, packed_nbytes, plan_residency, split_into_groups
+from ..offload_core import (FileMappings, GroupOffloadHandle, device_footprint, flatten, packed_nbytes, plan_residency,
+                            split_into_groups)
+from ..offload_core.hostlimits import cgroup_limits
 from .settings import GB, OffloadSettings
 
 # ComfyUI's sampler runs cond and uncond as one call only while 1.5 × that call's estimated memory is
@@ -132,28 +136,73 @@ def anonymous_host_bytes(blocks: list[nn.Module]) -> int:
     return sum(storages.values())
 
 
-def auto_host_bytes(freed_by_packing: int) -> int:
-    """What ``host_memory = auto`` may pack now: the RAM available less ``host_headroom``, plus what packing
-    frees (``anonymous_host_bytes``), and no more than ComfyUI's pinned-memory limit where it pins (a packed
-    copy past it could never be pinned). What other models hold pinned does not count: the model that runs
-    takes their pins (``handles._make_pin_room``). Never below 0."""
+@dataclass(frozen=True)
+class HostRoom:
+    """Host memory this process may take, and the limit that says so (the readout names it)."""
+
+    bytes: int
+    bound_by: str
+
+
+RAM_AVAILABLE = "RAM available"
+PINNED_LIMIT = "ComfyUI's pinned-memory limit"
+
+
+def host_limits() -> list[tuple[HostRoom, int]]:
+    """Under each limit this process has, what it may still take of host memory (before any headroom) and the
+    limit's whole size: the RAM available (``psutil``) and each memory cgroup's room (a container's limit, which
+    ``psutil`` does not see)."""
     memory = psutil.virtual_memory()
-    room = memory.available - host_headroom(memory.total) + freed_by_packing
+    return [(HostRoom(int(memory.available), RAM_AVAILABLE), int(memory.total)),
+            *((HostRoom(limit.room, limit.name), limit.limit) for limit in cgroup_limits())]
+
+
+def auto_host_room(freed_by_packing: int) -> HostRoom:
+    """What ``host_memory = auto`` may pack now, and the limit that bound it: under each limit the process has
+    (``host_limits``), its room less ``host_headroom`` of its size, plus what packing frees
+    (``anonymous_host_bytes``); and no more than ComfyUI's pinned-memory limit where it pins (a packed copy past
+    it could never be pinned). What other models hold pinned does not count: the model that runs takes their
+    pins (``handles._make_pin_room``). Never below 0."""
+    rooms = [HostRoom(room.bytes - host_headroom(total) + freed_by_packing, room.bound_by)
+             for room, total in host_limits()]
     if pinning_enabled():
-        room = min(room, mm.MAX_PINNED_MEMORY)
-    return max(0, int(room))
+        rooms.append(HostRoom(int(mm.MAX_PINNED_MEMORY), PINNED_LIMIT))
+    tightest = min(rooms, key=lambda room: room.bytes)
+    return HostRoom(max(0, int(tightest.bytes)), tightest.bound_by)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """The packed host copies a model may hold (None: all of it fits), and what set it."""
+
+    bytes: int | None
+    bound_by: str
 
 
 def host_budget(settings: OffloadSettings, block_bytes: int, *, packed_elsewhere: int,
-                freed_by_packing: int) -> int | None:
+                freed_by_packing: int) -> HostBudget:
     """The packed host copies a model about to be built may hold, in bytes (``apply_group_offload``'s
     ``host_budget``); None when all ``block_bytes`` fit, which packs every group as before host budgets.
 
-    ``auto``: ``auto_host_bytes(freed_by_packing)``. ``budget``: ``host_gb``, one budget for every offloaded
+    ``auto``: ``auto_host_room(freed_by_packing)``. ``budget``: ``host_gb``, one budget for every offloaded
     model, less what the others already hold packed (``packed_elsewhere``).
     """
     if settings.host_memory == "budget":
-        budget = max(0, settings.host_bytes() - packed_elsewhere)
+        room = HostRoom(max(0, settings.host_bytes() - packed_elsewhere), "host_gb")
     else:
-        budget = auto_host_bytes(freed_by_packing)
-    return None if block_bytes <= budget else budget
+        room = auto_host_room(freed_by_packing)
+    return HostBudget(None if block_bytes <= room.bytes else room.bytes, room.bound_by)
+
+
+def page_cache_room(handle: GroupOffloadHandle, base_model: nn.Module) -> HostRoom:
+    """The page cache the groups a run gathers in place may hold (``GroupOffloadHandle.keep_cached``), as the run
+    starts: the least room under the process's limits (``host_limits``; the page cache counts as room, the kernel
+    reclaims it first), less what the run is yet to add to anonymous memory where ComfyUI computes on the CPU: the
+    streaming buffers it has not made yet and the activations (ComfyUI's estimate for the run). An expectation, not
+    a bound: a room too large costs reads from the disk (the kernel drops cached pages for the run), never a kill."""
+    tightest = min((room for room, _ in host_limits()), key=lambda room: room.bytes)
+    to_come = 0
+    if handle.config.onload_device.type == "cpu":
+        to_come = max(0, handle.device_bytes_needed() - handle.stats()["slab_bytes"])
+        to_come += RUN_ACTIVATIONS.get(base_model, 0)
+    return HostRoom(max(0, tightest.bytes - to_come), tightest.bound_by)

@@ -45,11 +45,13 @@ import comfy.model_management as mm
 import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
-from ..offload_core import GroupOffloadHandle, check_offloadable, handle_of
+from ..offload_core import GroupOffloadHandle, check_offloadable, format_bytes, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks
-from .handles import build_handle, built_for, mark_run_started, own_handle, remove_handle, warn_if_unpinned
+from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
+                      warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
-from .memory import RUN_ACTIVATIONS, module_bytes, plan_blocks, raw_group_bytes, room_now, room_on_the_card
+from .memory import (RUN_ACTIVATIONS, module_bytes, page_cache_room, plan_blocks, raw_group_bytes, room_now,
+                     room_on_the_card)
 from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
 from .telemetry import finish_run, post_cfg_step, start_run
@@ -205,8 +207,9 @@ class GroupOffloadPatcher(ModelPatcher):
         mark_run_started(self.model.diffusion_model)
         if handle is not None:
             handle.pin_streamed()  # takes back, from the models run longer ago, pins given up while this one waited
+            _keep_page_cache(handle, self.model)
             start_run(self.model.diffusion_model, handle, self.offload_settings.node_id,
-                      cpu_only=torch.device(self.load_device).type == "cpu")
+                      cpu_only=torch.device(self.load_device).type == "cpu", host_limit=host_limit(handle))
 
     def cleanup(self):
         log_back_offs(finish_run(self.model.diffusion_model))
@@ -285,6 +288,20 @@ class GroupOffloadPatcher(ModelPatcher):
 
 # Dynamic model (shared by all its clones) -> its non-dynamic twin, as ``clone(model_override=...)`` takes it.
 _NON_DYNAMIC_TWINS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _keep_page_cache(handle: GroupOffloadHandle, base_model: nn.Module) -> None:
+    """Give the groups left in place the page cache there is room for in this run (``page_cache_room``): where
+    it holds less than they need, the core keeps the first ones cached and releases the others' pages."""
+    in_place = handle.stats()["in_place_bytes"]
+    if not in_place:
+        return
+    room = page_cache_room(handle, base_model)
+    kept = handle.keep_cached(room.bytes)
+    if kept < in_place:
+        log.info("Group Offload: %s of page cache for the %s left in place (bound by %s): %s of them stay cached, "
+                 "the others' pages are released after each gather and read again at each step",
+                 format_bytes(room.bytes), format_bytes(in_place), room.bound_by, format_bytes(kept))
 
 
 def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:

@@ -46,6 +46,7 @@ class RunTelemetry:
     # the previous step's end.
     _step_start: tuple[float, int, int] = field(default_factory=lambda: (time.perf_counter(), 0, 0))
     _last_sent: float | None = None
+    host_limit: str | None = None  # the limit that bound the host budget (``handles.host_limit``)
 
     def on_step(self) -> None:
         """A denoising step has ended: close it, and send the figures unless one was sent just now."""
@@ -64,16 +65,16 @@ class RunTelemetry:
 
     def payload(self, final: bool) -> dict[str, Any]:
         return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final, self.formats,
-                                 self.host_dequantized_bytes)
+                                 self.host_dequantized_bytes, self.host_limit)
 
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
                       cpu_only: bool, final: bool, formats: list[tuple[str, int]] = (),
-                      host_dequantized_bytes: int = 0) -> dict[str, Any]:
+                      host_dequantized_bytes: int = 0, host_limit: str | None = None) -> dict[str, Any]:
     """The message the front end draws: the handle's figures plus the per-step streamed GB/s; the quantized
     formats the blocks are stored in (``quantized_formats``) and the bytes of them dequantized on the host
-    (``host_dequantized_bytes``); and, when groups are left in place, where their host copies are and how
-    fast they were gathered."""
+    (``host_dequantized_bytes``); and, when groups are left in place, where their host copies are, how fast
+    they were gathered, how much of them stays in the page cache, and the limit that bound the host budget."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
     gathered = sum(s.gathered_bytes for s in steps)
@@ -106,6 +107,8 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "packed_bytes": stats["packed_bytes"],
         "in_place_bytes": stats["in_place_bytes"],
         "file_backed_bytes": stats["file_backed_bytes"],
+        "kept_cached_bytes": stats["kept_cached_bytes"],
+        "host_limit": host_limit,
         "gathered_bytes": stats["gathered_bytes"],
         "gathered_from_disk_bytes": stats["gathered_from_disk_bytes"],
         "gathered_bytes_per_step": gathered / len(steps) if steps else 0.0,
@@ -163,11 +166,12 @@ _RUNS: "weakref.WeakKeyDictionary[nn.Module, RunTelemetry]" = weakref.WeakKeyDic
 _LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
-def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool) -> None:
+def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool,
+              host_limit: str | None = None) -> None:
     finish_run(diffusion_model)
     handle.reset_stats()
     _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle),
-                                          host_dequantized_bytes(handle))
+                                          host_dequantized_bytes(handle), host_limit=host_limit)
 
 
 def step_done(diffusion_model: nn.Module) -> None:

@@ -60,6 +60,7 @@ class _Mapping:
     device: int
     inode: int
     path: str
+    writable: bool  # its pages may differ from the file's (a private mapping written to)
 
 
 class FileMappings:
@@ -78,7 +79,7 @@ class FileMappings:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             major, minor = (int(x, 16) for x in fields[3].split(":"))
             self._mappings.append(_Mapping(start, end, int(fields[2], 16), os.makedev(major, minor),
-                                           int(fields[4]), fields[5].removesuffix(" (deleted)")))
+                                           int(fields[4]), fields[5].removesuffix(" (deleted)"), "w" in fields[1]))
         self._mappings.sort(key=lambda m: m.start)
         self._starts = [m.start for m in self._mappings]
 
@@ -105,13 +106,16 @@ class SourceFiles:
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], _SourceFile] = {}
 
-    def add(self, mapping: _Mapping, tensor: torch.Tensor) -> None:
-        """``tensor`` lies in ``mapping``: its file must keep holding the bytes under it."""
-        needed = mapping.offset + tensor.data_ptr() - mapping.start + _extent(tensor)
+    def add(self, mapping: _Mapping, tensor: torch.Tensor) -> FilePages | None:
+        """``tensor`` lies in ``mapping``: its file must keep holding the bytes under it. Returns where they lie
+        in it, to release their pages (None where the file is gone from its path)."""
+        offset = mapping.offset + tensor.data_ptr() - mapping.start
         key = (mapping.device, mapping.inode)
         if key not in self._files:
             self._files[key] = _SourceFile(mapping.path, mapping.device, mapping.inode)
-        self._files[key].needed = max(self._files[key].needed, needed)
+        source = self._files[key]
+        source.needed = max(source.needed, offset + _extent(tensor))
+        return None if source._file is None else FilePages(source._file.fileno(), offset, not mapping.writable)
 
     def seal(self) -> None:
         """Take each file's size, time and fingerprint as they are now: what ``check`` compares with."""
@@ -178,11 +182,13 @@ class _SourceFile:
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
 
 
+#: ``madvise`` advice: faults read ahead of them, never around them.
+_MADV_SEQUENTIAL = 2
 #: ``madvise`` advice: read these pages ahead, asynchronously.
 _MADV_WILLNEED = 3
-#: ``madvise`` advice (Linux 5.4+): reclaim these pages now; a file's clean pages leave the page cache
-#: unless another process maps them.
-_MADV_PAGEOUT = 21
+#: ``madvise`` advice: drop this process's page-table entries for these pages (a file mapping's pages are
+#: read again from the file; a private mapping's written pages would be lost).
+_MADV_DONTNEED = 4
 
 
 def advise_will_need(tensor: torch.Tensor) -> None:
@@ -193,19 +199,40 @@ def advise_will_need(tensor: torch.Tensor) -> None:
     _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start), _MADV_WILLNEED)
 
 
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop ``tensor``'s pages from the page cache now, where it lies in a file mapping no other process
-    maps (a no-op where the kernel cannot). The kernel drops whole folios (a file's pages may be cached in
-    folios of up to 2 MiB): the edges of a range that splits one stay."""
-    if _libc is None or tensor.numel() == 0:
-        return
-    start = tensor.data_ptr() // _PAGE * _PAGE
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start), _MADV_PAGEOUT)
+@dataclass(frozen=True)
+class FilePages:
+    """Where a tensor of a file mapping lies in its file, to let the page cache drop its pages (``release``)."""
+
+    descriptor: int  # the file, open while it is mapped (``SourceFiles``)
+    offset: int  # the tensor's first byte in it
+    read_only: bool  # the mapping: its pages are the file's, its page-table entries may go
+
+    def read_forward(self, tensor: torch.Tensor) -> None:
+        """Have a fault on ``tensor``'s pages read ahead of it only (``MADV_SEQUENTIAL``): by default the kernel
+        also reads around a fault on a file mapping (half its read-ahead window before it, 4 MiB of an 8 MiB
+        one), which would read the released pages of the tensor before it again."""
+        if _libc is not None and tensor.numel() > 0:
+            start = tensor.data_ptr() // _PAGE * _PAGE
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start),
+                          _MADV_SEQUENTIAL)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop ``tensor``'s pages from the page cache now: this process's page-table entries for them (on a
+        mapping never written), then the file's cached pages in that range (``POSIX_FADV_DONTNEED``, which
+        leaves the pages some process still maps). The next read of them goes to the disk. The page its first
+        byte lies in goes too, whoever else's bytes it holds."""
+        if _libc is None or tensor.numel() == 0:
+            return
+        start = tensor.data_ptr() // _PAGE * _PAGE
+        length = tensor.data_ptr() + _extent(tensor) - start
+        if self.read_only:
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
+        os.posix_fadvise(self.descriptor, self.offset - (tensor.data_ptr() - start), length, os.POSIX_FADV_DONTNEED)
 
 
 def groups_kept_cached(sizes: list[int], room: int) -> list[bool]:
     """Which of the groups kept in place (their bytes, in the order a step gathers them) should stay in a page
-    cache with ``room`` bytes for them; the others' pages are released after each gather (``release_pages``).
+    cache with ``room`` bytes for them; the others' pages are released after each gather (``FilePages.release``).
 
     A step reads the groups in a cycle. Where they are more than the cache holds, the kernel's LRU drops
     each page shortly before it is read again, and every step reads all of them from the disk; keeping the

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from .hostmem import FileMappings, SourceFiles, advise_will_need, uncached_bytes
+from .hostmem import FileMappings, FilePages, SourceFiles, advise_will_need, uncached_bytes
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,16 @@ class InPlaceMirror:
         self.nbytes = nbytes
         self.views = list(tensors)
         self._file_backed = []
+        self._pages: list[tuple[torch.Tensor, FilePages]] = []  # the mapped tensors whose pages can be released
         for tensor, segment in zip(self.views, segments):
             mapping = mappings.find(tensor)
             self._file_backed.append(mapping is not None)
-            if mapping is not None:
-                sources.add(mapping, tensor)
+            if mapping is not None and (pages := sources.add(mapping, tensor)) is not None:
+                self._pages.append((tensor, pages))
         ends = [s.offset for s in segments[1:]] + [nbytes]  # each tensor's slot, as the group's bytes count it
         self.file_backed_bytes = sum(end - s.offset for s, end, mapped in zip(segments, ends, self._file_backed) if mapped)
+        # Whether the page cache lets go of the mapped tensors' pages after each gather (``keep_cached``).
+        self.released_after_gather = False
 
     def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
         return False
@@ -163,22 +166,33 @@ class InPlaceMirror:
 
     def read_ahead(self) -> None:
         """Have the kernel start reading the mapped tensors from the disk, ahead of the gather."""
-        for view, mapped in zip(self.views, self._file_backed):
-            if mapped:
-                advise_will_need(view)
+        for view in self.mapped_views():
+            advise_will_need(view)
+
+    def mapped_views(self) -> list[torch.Tensor]:
+        """The tensors that lie in file mappings (read through the page cache)."""
+        return [view for view, mapped in zip(self.views, self._file_backed) if mapped]
 
     def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
         """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the
         bytes whose pages the page cache did not hold as the gather began (read from the disk; a page two
         tensors share counts for each). A ``copy`` that copies many pairs at once (``gather.HostCopy``)
-        is given the whole group."""
-        from_disk = sum(uncached_bytes(view) or 0 for view, mapped in zip(self.views, self._file_backed) if mapped)
+        is given the whole group. Then, if ``released_after_gather``, the mapped tensors' pages leave the
+        page cache: the next read of them goes to the disk, and the pages kept cached stay."""
+        mapped = self.mapped_views()
+        from_disk = sum(uncached_bytes(view) or 0 for view in mapped)
+        if self.released_after_gather:
+            for view, pages in self._pages:
+                pages.read_forward(view)
         intos = segment_views(target, self.segments)
         if isinstance(copy, ManyCopy):
             copy.many(intos, self.views)
         else:
             for into, view in zip(intos, self.views):
                 copy(into, view)
+        if self.released_after_gather:
+            for view, pages in self._pages:
+                pages.release(view)
         return from_disk
 
 

@@ -17,8 +17,10 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 - ``box`` (optional): a memory cgroup (v1) the process enters once loaded, made by the caller with its
   limit: the page cache it reads while sampling and the anonymous memory it adds are held to that, as on
   a machine with that much RAM free (:func:`enter_box`);
-- ``keep_cached_bytes`` (optional): the page cache the groups kept in place may hold; the pages of those
-  past it (``hostmem.groups_kept_cached``) are released after each of their forwards.
+- ``enter_box_before_load`` (optional): true to enter the box before loading, as a process in a container
+  starts inside its limit;
+- ``lru`` (optional): true to leave the page cache to the kernel's LRU, as before the engine kept a stable
+  part of it (the patcher's ``_keep_page_cache`` does nothing).
 
 It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
 file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
@@ -28,7 +30,8 @@ diffusion-model call (one a step) the handle's ``stats()`` after it (``calls``),
 ``/proc/self/io``: every thread, the kernel's read-ahead included); how much of the model file the page
 cache held as sampling started (``page_cache``); in a box, its ``memory.stat`` after each call
 (``box_stats``: ``total_cache``, ``total_rss``, in bytes) and its peak (``box_peak_bytes``); the bytes of
-each group kept in place (``in_place_group_bytes``); the ComfyUI and torch versions.
+each group kept in place (``in_place_group_bytes``); the limit that bound the host budget (``host_limit``);
+the ComfyUI and torch versions.
 """
 from __future__ import annotations
 
@@ -196,22 +199,6 @@ def box_stats(cgroup: Path) -> dict[str, int]:
     return {name: int(fields[name]) for name in ("total_cache", "total_rss")}
 
 
-def keep_part_cached(model, room: int) -> None:
-    """Release the page cache of the groups kept in place past ``room`` after each of their forwards."""
-    hostmem = pack_module("offload_core.hostmem")
-
-    def releasing(views: list[torch.Tensor]):
-        def release(*_: Any) -> None:
-            for view in views:
-                hostmem.release_pages(view)
-        return release
-
-    in_place = [group for group in offload_handle(model).groups if not group.mirror.packed]
-    for group, kept in zip(in_place, hostmem.groups_kept_cached([group.nbytes for group in in_place], room)):
-        if not kept:
-            group.blocks[-1].register_forward_hook(releasing(group.mirror.views))
-
-
 def page_cache(path: Path) -> dict[str, int]:
     """The file's size and how many of its bytes the page cache holds (mincore)."""
     hostmem = pack_module("offload_core.hostmem")
@@ -225,17 +212,19 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     models = ModelDir(Path(spec["models"]))
     use_models_in_process(models)
     model_file = models.models_dir / "diffusion_models" / spec["unet_name"]
+    box = Path(spec["box"]) if "box" in spec else None
+    if spec.get("lru"):
+        pack_module("nodes.patcher")._keep_page_cache = lambda handle, base_model: None
     with AnonMarks() as anon:
         anon.mark("before")
+        if box is not None and spec.get("enter_box_before_load"):
+            enter_box(box)
         model = load(spec, anon)
         anon.mark("loaded")
-        box = Path(spec["box"]) if "box" in spec else None
         calls = ModelCalls(model, offloaded=spec["via"] != "plain", box=box)
-        if "keep_cached_bytes" in spec:
-            keep_part_cached(model, spec["keep_cached_bytes"])
         if "evict" in spec:
             evict_page_cache(model_file, spec["evict"])
-        if box is not None:
+        if box is not None and not spec.get("enter_box_before_load"):
             enter_box(box)
         cached = page_cache(model_file)
         latent = run_txt2img(model, seed=SEED, steps=spec.get("steps", STEPS)).latent
@@ -249,6 +238,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "page_cache": cached,
         "in_place_group_bytes": [] if spec["via"] == "plain" else
         [group.nbytes for group in offload_handle(model).groups if not group.mirror.packed],
+        "host_limit": None if spec["via"] == "plain" else pack_module("nodes.handles").host_limit(offload_handle(model)),
         **({"box_stats": calls.box_stats, "box_peak_bytes": int((box / "memory.max_usage_in_bytes").read_text())}
            if box is not None else {}),
         "versions": {"comfyui": comfyui_version(), "torch": torch.__version__},

@@ -278,3 +278,58 @@ def test_a_handle_nobody_reaches_goes_with_its_pins_without_remove(tmp_path, che
     del handle, offloaded
     gc.collect()
     assert gone() is None and checker.cudart.registered == {}
+
+
+def read_bytes() -> int:
+    """What this process has had read from storage so far, the kernel's read-ahead included (/proc/self/io)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["read_bytes"])
+
+
+class Chain(nn.Module):
+    """Blocks of a few MiB each: a group's pages are its own, but for the page at each end."""
+
+    def __init__(self, depth: int = 6, width: int = 1024) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("route", ["host", "worker"])
+def test_past_the_page_cache_room_the_first_groups_stay_cached_and_the_others_are_released(tmp_path, request, route):
+    """With room for the first three groups beside those in flight, they stay in the page cache and the
+    others' pages leave it after each gather (by the host thread on the CPU, by the gather worker through the
+    staging ring): the next step reads only those from the disk. Bit-identical throughout."""
+    torch.manual_seed(0)
+    reference = Chain()
+    offloaded = Chain()
+    offloaded.load_state_dict(reference.state_dict())
+    map_blocks(offloaded, tmp_path / "blocks.bin")
+    with open(tmp_path / "blocks.bin", "rb") as file:  # read from the disk, as a model file is: its pages were
+        os.fsync(file.fileno())  # written in folios that straddle the groups, which the kernel drops only whole
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    runtime = request.getfixturevalue("checker") if route == "worker" else None
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1, host_budget=0, runtime=runtime)
+    size = handle.groups[0].nbytes
+    assert handle.keep_cached(None) == handle.stats()["kept_cached_bytes"] == 6 * size, "no room given: all kept"
+    assert handle.keep_cached(6 * size) == 6 * size, "they all fit: nothing released"
+    in_flight = 2 if route == "worker" else 1  # the group gathered, and the one the worker reads ahead
+    assert handle.keep_cached((3 + in_flight) * size) == handle.stats()["kept_cached_bytes"] == 3 * size
+    x = torch.randn(4, 1024)
+    with torch.inference_mode():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+        read_before = read_bytes()
+        assert torch.equal(offloaded(x), expected)
+        read = read_bytes() - read_before
+    page = os.sysconf("SC_PAGE_SIZE")
+    uncached = [sum(uncached_bytes(view) for view in g.mirror.views) for g in handle.groups]
+    assert all(missing <= 2 * page for missing in uncached[:3]), f"the kept groups stay cached: {uncached}"
+    # (gathering a group, the kernel reads around the pages it faults: a part of the group before it comes back)
+    assert sum(uncached[3:]) >= 3 * size // 2, f"the others' pages are released: {uncached}"
+    assert 0.9 * 3 * size <= read <= 1.1 * 3 * size, f"a step reads the released groups again, and only those: {read}"
+    handle.remove()

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,16 +127,63 @@ def test_a_host_budget_the_model_fits_packs_every_group(plain, measure, via, hos
 
 
 def test_the_box_benchmark_runs_in_smoke():
-    """``bench/host_budget_box.py --smoke``: three boxed runs of a 4-block model and its table (needs a memory
+    """``bench/host_budget_box.py --smoke``: the boxed runs of a 4-block model and its table (needs a memory
     cgroup (v1) it may make one in)."""
-    import host_budget_box as box  # (bench/ is on sys.path through host_budget_driver)
+    import host_budget_box as box
 
-    try:
-        if not os.access(box.memory_cgroup(), os.W_OK):
-            pytest.skip("no writable memory cgroup (v1) here")
-    except (OSError, StopIteration):
-        pytest.skip("no memory cgroup (v1) here")
+    writable_memory_cgroup()
     done = subprocess.run([sys.executable, box.__file__, "--smoke"], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, COMFYUI_PATH=str(comfyui_path())))
     assert done.returncode == 0, done.stderr[-4000:]
-    assert all(f"| {run} |" in done.stdout for run in ("unlimited (calibration)", "LRU", "stable part"))
+    assert all(f"| {run} |" in done.stdout for run in ("unlimited (calibration)", "half the file cached: LRU",
+                                                       "half the file cached: engine", "quarter the file cached: engine",
+                                                       "container: entered before loading, defaults"))
+
+
+# Four blocks of 9.5 MB: a file of 40 MB, twice the page cache of the box it is loaded in.
+BOXED_MODEL = {**MODEL, "num_layers": 4, "num_attention_heads": 2}
+BOXED_NAME = "boxed_qwen_image.safetensors"
+# Beside the anonymous memory a run added at its peak in a box that only counted: how much another may add more.
+BOX_MARGIN = 16 * 10**6
+
+
+def writable_memory_cgroup() -> Path:
+    """This process's memory cgroup (v1), where a box can be made; skips the test where there is none."""
+    import host_budget_box as box  # (bench/ is on sys.path through host_budget_driver)
+
+    try:
+        cgroup = box.memory_cgroup()
+    except (OSError, StopIteration):
+        pytest.skip("no memory cgroup (v1) here: /proc/self/cgroup lists no memory controller")
+    if not os.access(cgroup, os.W_OK):
+        pytest.skip(f"the memory cgroup {cgroup} is not writable here (run as root, or in a delegated cgroup)")
+    return cgroup
+
+
+def test_a_model_twice_the_page_cache_of_its_container_loads_at_the_defaults(comfy_models, tmp_path):
+    """A process that enters a memory cgroup before loading, as one in a container starts inside its limit, with
+    room for the anonymous memory a run adds and half the model file: at the default ``host_memory = auto`` the
+    budget is the box's (``psutil`` sees the machine's RAM, and packing it all was killed there), the model loads,
+    samples bit-identically to plain ComfyUI, and reads per step about what the engine releases of it."""
+    import host_budget_box as box
+
+    writable_memory_cgroup()
+    target = comfy_models.models_dir / "diffusion_models" / BOXED_NAME
+    if not target.exists():
+        target.symlink_to(tiny_qwen_image_file(**BOXED_MODEL))
+    file_bytes = target.stat().st_size
+    spec = {"models": str(comfy_models.base_dir), "unet_name": BOXED_NAME, "steps": 4, "evict": "fadvise"}
+    plain = run_driver({**spec, "via": "plain", "latent": str(tmp_path / "plain.pt")})
+    with box.box(None) as cgroup:  # what the run adds loading and sampling, with nothing packed
+        free = run_driver({**spec, "via": "loader", "offload": {"host_memory": "budget", "host_gb": 0.0},
+                           "latent": str(tmp_path / "free.pt"), "box": str(cgroup), "enter_box_before_load": True})
+    limit = box.anonymous_peak(free) + BOX_MARGIN + file_bytes // 2
+    with box.box(limit) as cgroup:
+        boxed = run_driver({**spec, "via": "loader", "latent": str(tmp_path / "boxed.pt"), "box": str(cgroup),
+                            "enter_box_before_load": True})
+    stats = boxed["calls"][-1]
+    assert torch.equal(boxed["latent"], plain["latent"])
+    assert boxed["host_limit"].startswith("cgroup v1 memory.limit_in_bytes of /") and stats["packed_bytes"] == 0
+    released = stats["in_place_bytes"] - stats["kept_cached_bytes"]
+    assert boxed["box_peak_bytes"] <= limit
+    assert max(boxed["call_read_bytes"][2:]) <= 1.1 * released + 8 * 2**20, "the kept groups stay cached"

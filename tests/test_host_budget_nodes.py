@@ -113,12 +113,15 @@ def test_api_prompts_with_and_without_the_host_inputs_run_and_a_nan_host_gb_is_r
 
 @pytest.fixture
 def machine(comfy, monkeypatch: pytest.MonkeyPatch):
-    """``machine(total, available, max_pinned, pinned)`` in GiB: what nodes.memory sees of RAM and pins."""
+    """``machine(total, available, max_pinned, pinned, containers)`` in GiB: what nodes.memory sees of RAM and pins,
+    and the memory cgroups' limits (``hostlimits.CgroupLimit``; none by default)."""
     memory = pack_module("nodes.memory")
 
-    def set_up(total: float, available: float, max_pinned: float = -1, pinned: float = 0) -> None:
+    def set_up(total: float, available: float, max_pinned: float = -1, pinned: float = 0,
+               containers: tuple = ()) -> None:
         ram = SimpleNamespace(total=int(total * GiB), available=int(available * GiB))
         monkeypatch.setattr(memory, "psutil", SimpleNamespace(virtual_memory=lambda: ram))
+        monkeypatch.setattr(memory, "cgroup_limits", lambda: containers)
         monkeypatch.setattr(memory.mm, "MAX_PINNED_MEMORY", max_pinned * GiB)
         monkeypatch.setattr(memory.mm, "TOTAL_PINNED_MEMORY", int(pinned * GiB))
 
@@ -143,7 +146,51 @@ def test_auto_budget_is_the_ram_available_less_a_headroom_within_the_pinned_limi
     machine(total, available, max_pinned, pinned)
     budget = memory.host_budget(settings.OffloadSettings(), int(blocks * GiB), packed_elsewhere=7 * GiB,
                                 freed_by_packing=int(freed * GiB))
-    assert budget == (None if expected is None else pytest.approx(int(expected * GiB), abs=1))
+    assert budget.bytes == (None if expected is None else pytest.approx(int(expected * GiB), abs=1))
+    assert budget.bound_by == ("ComfyUI's pinned-memory limit" if max_pinned == 30 else "RAM available")
+
+
+@pytest.mark.parametrize("limit, usage, cache, expected, bound_by", [
+    (16, 3, 2, 16 - 1 - 4 - 0, "cgroup"),  # the container's room less its headroom (4 GiB at least)...
+    (64, 40, 0, 64 - 40 - 0.15 * 64, "cgroup"),  # ...and 15 % of its limit
+    (64, 2, 0, 40 - 0.15 * 128, "RAM available"),  # the machine is tighter than the container
+    (2, 0.5, 0, 0, "cgroup"),  # a container smaller than its headroom: nothing packed
+])
+def test_auto_budget_sees_a_containers_memory_limit(machine, limit, usage, cache, expected, bound_by):
+    """A container's limit (its memory cgroup's) binds the budget where it leaves less than the machine's RAM; the
+    page cache it charged counts as room (the kernel reclaims it first), and the budget names the limit."""
+    memory, settings, hostlimits = (pack_module(name) for name in ("nodes.memory", "nodes.settings",
+                                                                   "offload_core.hostlimits"))
+    name = "cgroup v2 memory.max of /docker/abc"
+    machine(128, 40, containers=[hostlimits.CgroupLimit(name, int(limit * GiB), int(usage * GiB), int(cache * GiB))])
+    budget = memory.host_budget(settings.OffloadSettings(), 100 * GiB, packed_elsewhere=0, freed_by_packing=0)
+    assert budget.bytes == pytest.approx(int(expected * GiB), abs=1)
+    assert budget.bound_by == (name if bound_by == "cgroup" else bound_by)
+
+
+def test_the_cgroup_limits_are_read_from_every_level_up_to_the_hierarchys_root(tmp_path):
+    """v2 and v1, as a container mounts them (its own cgroup at the mount's root) and as a host does."""
+    hostlimits = pack_module("offload_core.hostlimits")
+    v2, v1 = tmp_path / "unified", tmp_path / "memory"
+    for folder, files in ((v2 / "outer", {"memory.max": "4000", "memory.current": "3000",
+                                          "memory.stat": "anon 2000\nactive_file 600\ninactive_file 400\n"}),
+                          (v2 / "outer" / "inner", {"memory.max": "max", "memory.current": "10", "memory.stat": ""}),
+                          (v1 / "box", {"memory.limit_in_bytes": "9000", "memory.usage_in_bytes": "5000",
+                                        "memory.stat": "total_active_file 1000\ntotal_inactive_file 500\n"}),
+                          (v1, {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1",
+                                "memory.stat": ""})):
+        folder.mkdir(parents=True, exist_ok=True)
+        for file, text in files.items():
+            (folder / file).write_text(text)
+    (tmp_path / "cgroup").write_text("0::/outer/inner\n4:memory:/box\n")
+    (tmp_path / "mountinfo").write_text(f"41 31 0:38 / {v2} rw - cgroup2 cgroup2 rw\n"
+                                        f"35 31 0:32 / {v1} rw,relatime - cgroup cgroup rw,memory\n")
+    limits = hostlimits.cgroup_limits(tmp_path / "cgroup", tmp_path / "mountinfo")
+    assert [(limit.name, limit.room) for limit in limits] == [
+        ("cgroup v2 memory.max of /outer", 4000 - (3000 - 1000)),
+        ("cgroup v1 memory.limit_in_bytes of /box", 9000 - (5000 - 1500)),
+    ]
+    assert hostlimits.cgroup_limits(tmp_path / "none", tmp_path / "mountinfo") == []
 
 
 def test_packing_frees_the_blocks_anonymous_host_memory_not_their_file_pages(comfy, tmp_path):
@@ -171,7 +218,7 @@ def test_an_explicit_budget_is_host_gb_less_what_the_other_models_packed(machine
     chosen = settings.OffloadSettings(host_memory="budget", host_gb=host_gb)
     budget = memory.host_budget(chosen, int(blocks * GiB), packed_elsewhere=int(elsewhere * GiB),
                                 freed_by_packing=int(blocks * GiB))
-    assert budget == (None if expected is None else int(expected * GiB))
+    assert (budget.bytes, budget.bound_by) == (None if expected is None else int(expected * GiB), "host_gb")
 
 
 def test_two_models_share_one_explicit_budget(models):
@@ -288,6 +335,8 @@ def test_the_report_shows_the_groups_left_in_place(browser_page: BrowserPage, co
     assert rows["packed_bytes"] == ["Packed host copies", "0 B"]
     assert rows["in_place_bytes"][0] == "Left in place"
     assert re.fullmatch(rf"{size} \(0 B file-backed\)", rows["in_place_bytes"][1])  # ComfyUI's own tensors
+    assert rows["host_limit"] == ["Host budget bound by", "host_gb"]
+    assert rows["kept_cached_bytes"][0] == "Kept in the page cache"
     assert rows["gathered_bytes_per_step"][0] == "Gathered per step"
     assert re.fullmatch(size, rows["gathered_bytes_per_step"][1])
     assert rows["gather_gbps"][0] == "Gather rate" and re.fullmatch(r"\d+(\.\d+)? (MB|GB)/s", rows["gather_gbps"][1])

@@ -25,7 +25,8 @@ FRONT_END_FIELDS = {
     "node_id", "final", "cpu_only", "groups", "resident_groups", "streamed_groups", "prefetch", "back_offs", "resident_bytes",
     "streamed_bytes_per_pass", "pinned_bytes", "host_bytes", "bytes_h2d", "bytes_d2h", "copies_h2d", "onloads", "sync_onloads",
     "compute_wait_ms", "hook_us_per_group", "formats", "host_dequantized_bytes_per_pass", "steps", "bytes_per_step",
-    "h2d_gbps", "step_gbps", "packed_bytes", "in_place_bytes", "file_backed_bytes", "gathered_bytes",
+    "h2d_gbps", "step_gbps", "packed_bytes", "in_place_bytes", "file_backed_bytes", "kept_cached_bytes", "host_limit",
+    "gathered_bytes",
     "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps",
 }
 
@@ -111,7 +112,7 @@ def _stats(**overrides) -> dict:
         "sync_onloads": 1, "prefetches": 10, "compute_wait_ms": 12.5, "hook_us_per_group": 40.0,
         "hook_seconds": 0.01, "hook_calls": 250, "slab_bytes": 2_000_000_000, "host_bytes": 5_000_000_000,
         "pinned_bytes": 3_000_000_000, "prefetch": 1, "back_offs": 2, "packed_bytes": 4_000_000_000,
-        "in_place_bytes": 1_000_000_000, "file_backed_bytes": 800_000_000, "gathers": 6,
+        "in_place_bytes": 1_000_000_000, "file_backed_bytes": 800_000_000, "kept_cached_bytes": 600_000_000, "gathers": 6,
         "gathered_bytes": 2_000_000_000, "gathered_from_disk_bytes": 500_000_000, "gather_seconds": 0.25,
     }
     return {**stats, **overrides}
@@ -120,7 +121,8 @@ def _stats(**overrides) -> dict:
 def test_payload_has_the_fields_the_front_end_reads(telemetry):
     steps = [telemetry.StepSample(3_000_000_000, 1.5, 1_500_000_000),
              telemetry.StepSample(3_000_000_000, 0.5, 500_000_000)]
-    payload = telemetry.telemetry_payload(_stats(), steps, "12", cpu_only=False, final=True)
+    payload = telemetry.telemetry_payload(_stats(), steps, "12", cpu_only=False, final=True,
+                                          host_limit="cgroup v2 memory.max of /docker/abc")
 
     assert set(payload) == FRONT_END_FIELDS
     assert json.loads(json.dumps(payload)) == payload  # goes over the websocket as JSON
@@ -139,6 +141,7 @@ def test_payload_has_the_fields_the_front_end_reads(telemetry):
     assert payload["step_gbps"] == [2.0, 6.0]
     assert (payload["packed_bytes"], payload["in_place_bytes"], payload["file_backed_bytes"]) == (
         4_000_000_000, 1_000_000_000, 800_000_000)
+    assert (payload["kept_cached_bytes"], payload["host_limit"]) == (600_000_000, "cgroup v2 memory.max of /docker/abc")
     assert (payload["gathered_bytes"], payload["gathered_from_disk_bytes"]) == (2_000_000_000, 500_000_000)
     assert payload["gathered_bytes_per_step"] == 1_000_000_000  # of the steps' own gathers
     assert payload["gather_gbps"] == pytest.approx(2.0 / 0.25)  # over the gather time, not the steps'

@@ -121,11 +121,14 @@ function pinnedRow(stats) {
   return ["Pinned", `${formatBytes(stats.pinned_bytes)} of ${formatBytes(stats.host_bytes)} host`, short ? COLORS.warn : undefined];
 }
 
-/** Groups beyond the host budget stay in place (in the model file's pages) and are gathered for each copy:
- *  how much a step, how fast, and how much of it the page cache did not hold. */
+/** Groups beyond the host budget stay in place (in the model file's pages) and are gathered for each copy: the
+ *  limit that bound the host budget, how much stays in the page cache, how much a step, how fast, and how much of
+ *  it the page cache did not hold. */
 function inPlaceRows(stats) {
   return [
     ["Host copies", `${formatBytes(stats.packed_bytes)} packed · ${formatBytes(stats.in_place_bytes)} in place`],
+    ["Host limit", stats.host_limit ?? "–"],
+    ["Page cache", `${formatBytes(stats.kept_cached_bytes)} of it kept cached`],
     ["Gathered", `${formatBytes(stats.gathered_bytes_per_step)} a step · ${formatRate(stats.gather_gbps)}`],
     ["From disk", `${formatBytes(stats.gathered_from_disk_bytes)} of ${formatBytes(stats.gathered_bytes)}, rest cached`],
   ];

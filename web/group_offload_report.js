@@ -83,6 +83,8 @@ function inPlaceRows(stats) {
   return [
     ["packed_bytes", "Packed host copies", formatBytes(stats.packed_bytes)],
     ["in_place_bytes", "Left in place", `${formatBytes(stats.in_place_bytes)} (${formatBytes(stats.file_backed_bytes)} file-backed)`],
+    ["host_limit", "Host budget bound by", stats.host_limit ?? "–"],
+    ["kept_cached_bytes", "Kept in the page cache", formatBytes(stats.kept_cached_bytes)],
     ["gathered_bytes_per_step", "Gathered per step", formatBytes(stats.gathered_bytes_per_step)],
     ["gather_gbps", "Gather rate", formatRate(stats.gather_gbps)],
     ["gathered_from_disk_bytes", "Gathered from disk", `${formatBytes(stats.gathered_from_disk_bytes)} of ${formatBytes(gathered)}`],
