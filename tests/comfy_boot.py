@@ -26,8 +26,8 @@ TESTNODES_DIR = TESTS_DIR / "comfy_testnodes"
 ARTIFACTS_DIR = REPO_ROOT / ".artifacts"
 EMBEDDED_COMFYUI = REPO_ROOT / ".comfyui"
 
-PACK_DIR_NAME = "comfyui-group-offload"
-TESTNODES_DIR_NAME = "comfyui-group-offload-testnodes"
+PACK_DIR_NAME = "group-offload-no-copy-back"  # as dev.py links it and users install it
+TESTNODES_DIR_NAME = f"{PACK_DIR_NAME}-testnodes"
 
 
 def comfyui_path() -> Path:

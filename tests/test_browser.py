@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, sync_playwright
 
-from comfy_boot import ARTIFACTS_DIR, REPO_ROOT
+from comfy_boot import ARTIFACTS_DIR, PACK_DIR_NAME, REPO_ROOT
 from live_server import ComfyServer, find_chromium
 
 pytestmark = pytest.mark.browser
@@ -37,7 +37,7 @@ CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-PACK_URL = "/extensions/comfyui-group-offload/"
+PACK_URL = f"/extensions/{PACK_DIR_NAME}/"
 # The front end asks for a node's help page in the user's language, docs/<node>/<locale>.md, before the
 # fallback docs/<node>.md (web/docs has English as the fallback and Chinese as <node>/zh.md).
 LOCALE_HELP_PAGE = re.compile(re.escape(PACK_URL) + r"docs/[^/]+/[a-zA-Z-]+\.md")
@@ -525,10 +525,10 @@ def test_messages_by_node_id_and_node_removal(browser_page: BrowserPage, comfy_s
     screenshot_node(page, ids["offload"], ARTIFACTS / "group_offload_live.png")
 
     result = page.evaluate("""
-        async ({ live, ids }) => {
+        async ({ live, ids, pack_url }) => {
             const { app } = window.comfyAPI.app;
             const { api } = window.comfyAPI.api;
-            const common = await import("/extensions/comfyui-group-offload/group_offload_common.js");
+            const common = await import(pack_url + "group_offload_common.js");
             const offload = app.graph.getNodeById(ids.offload);
             app.graph.remove(offload);
             const cleared = offload.groupOffloadTelemetry === null;
@@ -549,7 +549,7 @@ def test_messages_by_node_id_and_node_removal(browser_page: BrowserPage, comfy_s
                              common.formatUs(40), common.formatUs(6094)]),
             };
         }
-    """, {"live": live, "ids": ids})
+    """, {"live": live, "ids": ids, "pack_url": PACK_URL})
     assert result["cleared"] and result["stillRemoved"]
     assert result["nested"] is True and result["missingParent"] is None
     assert result["formats"] == ["0 B", "512 B", "512 MB", "1.23 GB", "12.3 GB", "12.3 GB/s", "500 MB/s", "4.50 ms",

@@ -92,3 +92,13 @@ def test_comfyui_gguf_is_unpacked_once_and_skipped_without_its_tarball(dev: Modu
     unpacked.write_text("# kept\n")  # there already: left as it is
     dev._unpack_gguf_nodes(comfyui)
     assert unpacked.read_text() == "# kept\n"
+
+
+def test_the_pack_is_linked_under_its_install_name_alone(dev: ModuleType, tmp_path: Path):
+    custom_nodes = tmp_path / "ComfyUI" / "custom_nodes"
+    custom_nodes.mkdir(parents=True)
+    (custom_nodes / "comfyui-group-offload").symlink_to(dev.ROOT)  # this checkout under an older name
+    (custom_nodes / "other-pack").symlink_to(tmp_path)
+    dev._link_pack(tmp_path / "ComfyUI")
+    assert sorted(p.name for p in custom_nodes.iterdir()) == ["group-offload-no-copy-back", "other-pack"]
+    assert (custom_nodes / dev.PACK_NAME).resolve() == dev.ROOT

@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.l
 $PY -c "import torch,sys;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'gpu',torch.cuda.is_available() and torch.cuda.get_device_name())"
 C=/tmp/comfyui-gpu; rm -rf $C; mkdir -p $C; tar -xzf "$R"/.gpu/ComfyUI-0.33.0-*.tar.gz -C $C
 C=$(dirname "$(find $C -maxdepth 3 -name comfyui_version.py | head -1)")
-ln -sfn "$R" "$C/custom_nodes/comfyui-group-offload"
+ln -sfn "$R" "$C/custom_nodes/group-offload-no-copy-back"
 for t in "$R"/.gpu/ComfyUI-GGUF-*.tar.gz; do [[ -f $t ]] && tar -xzf "$t" -C "$C/custom_nodes"; done
 export COMFYUI_PATH=$C
 $PY -c "import torchsde, comfy_aimdo, comfy_kitchen, diffusers, gguf; print('ComfyUI at $C; bundle imports ok')"
