@@ -1,8 +1,8 @@
 """A group of consecutive blocks and the tensors it owns.
 
 The group decides *how* its tensors move: it re-points every parameter and buffer at a set of
-views (of the host mirror, of a device slab, or of its own resident buffer).  It never copies on
-its own; the scheduler in ``engine.py`` decides *when*.
+views (of the host mirror, of a device slab, or of its own resident buffer).  It copies only when
+the transfers (``transfers.py``) ask it to; the hooks (``hooks.py``) decide *when*.
 """
 from __future__ import annotations
 
@@ -290,12 +290,6 @@ class ModuleGroup:
 
     def device_views(self, slab: torch.Tensor) -> list[torch.Tensor]:
         return self._device_layout(slab)[1]
-
-    def onload_(self, slab: torch.Tensor, non_blocking: bool, source: torch.Tensor | None = None) -> None:
-        """Copy the mirror, or ``source`` holding its bytes (a staging buffer), into ``slab`` and point the
-        modules at it."""
-        self.fill(slab, non_blocking, source)
-        self.show(slab)
 
     def fill(self, slab: torch.Tensor, non_blocking: bool, source: torch.Tensor | None = None) -> int:
         """Copy the group's bytes into ``slab``: from ``source`` (a staging buffer holding them) in one copy,

@@ -3,7 +3,8 @@ when the copy stream may write into one.
 
 A slab is as large as the largest streamed group; each streamed group is copied into one for its run
 and hands it back after. Every buffer the pool hands out is safe for the copy stream to write: a freed
-slab waits for its "released" event, fresh memory for the compute stream (see the table in ``engine.py``).
+slab waits for its "released" event, fresh memory for the compute stream (see the stream choreography in
+``transfers.py``).
 """
 from __future__ import annotations
 
