@@ -56,8 +56,8 @@ class ComfyPinner:
 def warn_if_unpinned(handle: GroupOffloadHandle) -> None:
     """One warning per load when some streamed packed groups copy from pageable memory (those the host budget
     left in place are never pinned: they always stream through the staging buffers)."""
-    streamed = [g for g in handle.groups if not g.resident and g.mirror.packed]
-    pinned = [g for g in streamed if g.mirror.pinned]
+    streamed = [g for g in handle.snapshot() if not g.resident and g.packed]
+    pinned = [g for g in streamed if g.pinned]
     if len(pinned) == len(streamed) or not ComfyPinner.enabled():
         return
     staging = handle.stats()["staging_bytes"]

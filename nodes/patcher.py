@@ -129,7 +129,7 @@ class GroupOffloadPatcher(ModelPatcher):
         free = room_now(self.model, device_to)
         device = handle.config.onload_device
         patches = BlockPatches(self.model, self._block_patches(), device, patch_compute_dtype(self, device))
-        plan = plan_blocks(self.offload_settings, [g.nbytes for g in handle.groups], free, other_bytes=other_bytes,
+        plan = plan_blocks(self.offload_settings, [g.nbytes for g in handle.snapshot()], free, other_bytes=other_bytes,
                            patch_bytes=patches.device_bytes, granted_bytes=None if full_load else lowvram_model_memory)
         handle.set_resident_bytes(plan.resident_bytes)
         warn_if_unpinned(handle)
@@ -272,7 +272,7 @@ class GroupOffloadPatcher(ModelPatcher):
     def _group_bytes(self, blocks: list[nn.Module]) -> list[int]:
         handle = handle_of(blocks[0])
         if handle is not None:
-            return [g.nbytes for g in handle.groups]
+            return [g.nbytes for g in handle.snapshot()]
         return raw_group_bytes(blocks, self.offload_settings.blocks_per_group)
 
     def _block_patches(self) -> dict[str, list]:

@@ -76,7 +76,7 @@ def _what_would_fit(base_model: nn.Module, handle: GroupOffloadHandle) -> str:
     else:
         fits = "which would fit: other models or programs hold the rest of the GPU's memory; unload them"
     buffer = (f"; with prefetch 0 the model needs one streaming buffer "
-              f"({format_bytes(max(g.nbytes for g in handle.groups))}) less") if handle.prefetch else ""
+              f"({format_bytes(max(g.nbytes for g in handle.snapshot()))}) less") if handle.prefetch else ""
     return (f"At the last plan the model held {format_bytes(held)} of the GPU's {format_bytes(total)}; ComfyUI "
             f"estimates this run's activations at {format_bytes(activations)}, {fits}{buffer}.")
 

@@ -1,7 +1,7 @@
 """Live offload figures for the UI, and the statistics of the last sampling run.
 
 Between ``start_run`` and ``finish_run`` (the patcher's ``pre_run`` and ``cleanup``) the handle's
-ledger is read once per sampling step — never per block, and without reading anything back from the
+ledger figures are read once per sampling step — never per block, and without reading anything back from the
 GPU: ``step_done`` runs as a ComfyUI post-CFG function, once per denoising evaluation — and at most
 ``MAX_MESSAGES_PER_SECOND`` websocket messages are sent.
 """
@@ -50,7 +50,8 @@ class RunTelemetry:
 
     def on_step(self) -> None:
         """A denoising step has ended: close it, and send the figures unless one was sent just now."""
-        now, sent, gathered = time.perf_counter(), self.handle.ledger.bytes_h2d, self.handle.ledger.gathered_bytes
+        figures = self.handle.ledger_figures()
+        now, sent, gathered = time.perf_counter(), figures["bytes_h2d"], figures["gathered_bytes"]
         start, start_sent, start_gathered = self._step_start
         self.steps.append(StepSample(sent - start_sent, now - start, gathered - start_gathered))
         self._step_start = (now, sent, gathered)
@@ -120,7 +121,7 @@ def quantized_formats(handle: GroupOffloadHandle) -> list[tuple[str, int]]:
     """The blocks' bytes by the quantized format they are stored in, largest first: a GGUF type (ComfyUI-GGUF's
     ``tensor_type``, ``GGUF Q4_K``) or a quantized tensor's layout; plain tensors are not listed."""
     totals: dict[str, int] = {}
-    for tensor in (binding.current() for group in handle.groups for binding in group.bindings):
+    for tensor in handle.block_tensors():
         name = _quantized_format(tensor)
         if name is not None:
             totals[name] = totals.get(name, 0) + packed_nbytes(tensor)

@@ -1,6 +1,6 @@
 """Group offloading without copy-back, for any ``torch.nn.Module``; pure torch, no ComfyUI."""
 from .backoff import OutOfMemoryAfterBackOff, call_backing_off
-from .engine import GroupOffloadHandle, apply_group_offload, handle_of
+from .engine import GroupOffloadHandle, GroupSnapshot, apply_group_offload, handle_of
 from .group import check_offloadable, split_into_groups
 from .grouping import OffloadConfig
 from .hostmem import FileMappings, SourceChangedError, map_file
@@ -13,6 +13,7 @@ __all__ = [
     "CudaHostRegister",
     "FileMappings",
     "GroupOffloadHandle",
+    "GroupSnapshot",
     "OffloadConfig",
     "OutOfMemoryAfterBackOff",
     "OutsideUseError",

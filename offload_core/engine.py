@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -36,6 +37,17 @@ from .transfers import Transfers
 # block -> its handle, weak both ways: the wrapped methods are what keep a handle alive, so a handle
 # lives exactly as long as its blocks can be reached (or until ``remove()``), and never longer.
 _MANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """One group as its handle's callers see it, read at one moment (``GroupOffloadHandle.snapshot``)."""
+
+    index: int
+    nbytes: int
+    resident: bool  # kept on the device by the plan in effect
+    packed: bool  # its host copy is a packed mirror; False: its tensors stay in place (beyond the host budget)
+    pinned: bool  # that host copy is page-locked
 
 
 class GroupOffloadHandle(GroupHooks):
@@ -68,13 +80,18 @@ class GroupOffloadHandle(GroupHooks):
         """The prefetch depth in effect: ``back_off`` may lower the configured one."""
         return self._schedule.prefetch
 
+    def ledger_figures(self) -> dict[str, float | int]:
+        """What crossed the bus since the last ``reset_stats``, how often, and what it cost (``TransferLedger``'s
+        counters, the GPU's wait as far as it has got, the hooks' time per group); never waits for the GPU."""
+        return self.ledger.as_dict()
+
     def stats(self) -> dict[str, float | int]:
-        """Transfer ledger and layout (never waits for the GPU)."""
+        """The ledger's figures and the layout (never waits for the GPU)."""
         resident = [g for g in self.groups if g.resident]
         staging = self._pins.staging_bytes
         in_place = [g for g in self.groups if not g.mirror.packed]
         return {
-            **self.ledger.as_dict(),
+            **self.ledger_figures(),
             "prefetch": self.prefetch,
             "groups": len(self.groups),
             "resident_groups": len(resident),
@@ -91,6 +108,15 @@ class GroupOffloadHandle(GroupHooks):
             "staging_bytes": staging,
             "pin_seconds": self._pins.seconds,
         }
+
+    def snapshot(self) -> list[GroupSnapshot]:
+        """The groups as they are now, in order: their size, residency and host copy."""
+        return [GroupSnapshot(g.index, g.nbytes, g.resident, g.mirror.packed, g.mirror.pinned) for g in self.groups]
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every parameter and buffer of the offloaded blocks as the modules see it now, each once (a tied
+        one too): a quantized weight as its subclass, with the attributes that say its format."""
+        return [binding.current() for group in self.groups for binding in group.bindings]
 
     def reset_stats(self) -> None:
         self._transfers.ledger = TransferLedger()
