@@ -140,6 +140,18 @@ def test_every_sampler_samples_an_offloaded_model(path):
         assert node is not None, f"{sampler['type']} #{sampler['id']} samples a model that is not offloaded"
 
 
+@pytest.mark.parametrize("path", TEMPLATES, ids=template_id)
+def test_example_workflow_shows_the_host_memory_settings_with_a_note(comfy, path):
+    workflow = load(path)
+    needs_comfyui_gguf(workflow, comfy)
+    for node in (n for n in workflow["nodes"] if n["type"] in OFFLOAD_NODES):
+        saved = node["widgets_values"]
+        assert len(saved) == len(widget_inputs(in_process_spec(comfy)(node["type"]))), (
+            f"{node['type']} #{node['id']} saves {len(saved)} input values: a template shows every input's")
+        assert widget_values(node, in_process_spec(comfy)(node["type"]))["host_memory"] == "auto"
+    assert "`host_memory`" in note_text(workflow) and "`host_gb`" in note_text(workflow)
+
+
 def test_qwen_example_uses_the_loader_and_the_model_card_cfg(comfy):
     workflow = load(next(p for p in TEMPLATES if p.stem == "qwen_image_group_offload"))
     types = {n["type"]: n for n in workflow["nodes"]}
