@@ -77,8 +77,9 @@ def _settings(unique_id: str | None, **inputs: Any) -> OffloadSettings:
 class GroupOffload(_OffloadInputsValidation):
     TITLE = "Group Offload (no copy-back)"
     CATEGORY = "advanced/model"
-    DESCRIPTION = ("Keeps the diffusion model's transformer blocks in pinned host memory and copies each group to "
-                   "the GPU just before it runs, never copying weights back. Connect it before an unchanged KSampler.")
+    DESCRIPTION = ("Keeps the diffusion model's transformer blocks in host memory (pinned, for the groups that stream) "
+                   "and copies each group to the GPU just before it runs, never copying weights back. Connect it before "
+                   "an unchanged KSampler.")
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model, with its blocks offloaded.",)
     FUNCTION = "apply"
@@ -94,8 +95,9 @@ class GroupOffload(_OffloadInputsValidation):
 class GroupOffloadLoader(_OffloadInputsValidation):
     TITLE = "Load Diffusion Model (Group Offload)"
     CATEGORY = "advanced/loaders"
-    DESCRIPTION = ("Load Diffusion Model, with the transformer blocks read from the file straight into pinned host "
-                   "memory: the full model never lands on the GPU and host memory holds it only once.")
+    DESCRIPTION = ("Load Diffusion Model, with the transformer blocks read from the file straight into packed host "
+                   "copies (pinned, for the groups that stream): the full model never lands on the GPU and host memory "
+                   "holds it only once.")
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The diffusion model, with its blocks offloaded.",)
     FUNCTION = "load"
