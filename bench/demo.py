@@ -3,7 +3,8 @@
 Starts ComfyUI's own server (main.py) on a temporary base directory, queues the API workflow
 UNETLoader -> GroupOffload -> KSampler -> GroupOffloadReport -> VAEDecode -> SaveImage, and the same
 workflow without the offload node; copies the image to .artifacts/demo/, checks that both images are
-identical, and prints what was streamed. Run it with ``python3 dev.py demo``.
+identical, and prints what was streamed. The tiny model's weights are random, so the image is noise: what
+the demo shows is the mechanism and that it changes no pixel. Run it with ``python3 dev.py demo``.
 """
 from __future__ import annotations
 
@@ -34,14 +35,22 @@ def offloaded_workflow(unet_name: str, args: argparse.Namespace) -> dict:
 
 
 def summary(stats: dict) -> str:
+    """What the run streamed, in words a first reader follows."""
     mb = 1e6
+    prefetch = stats["prefetch"]
+    last = "copy" if prefetch == 1 else f"{prefetch} copies"
+    ahead = (f"; with prefetch {prefetch} the copies run ahead, so the run's last {last} may be for a step that "
+             f"never comes") if prefetch else ""
+    on_the_cpu = (" (ComfyUI runs on the CPU here: the hooks make the copies themselves, so this is mostly copying)"
+                  if stats["cpu_only"] else "")
     return "\n".join([
-        f"groups: {stats['groups']} ({stats['resident_groups']} resident, {stats['streamed_groups']} streamed)",
-        f"streamed per step: {stats['bytes_per_step'] / mb:.2f} MB in {stats['copies_h2d']} copies over "
-        f"{stats['steps']} steps ({stats['bytes_h2d'] / mb:.2f} MB in all)",
+        f"groups of blocks: {stats['groups']}; {stats['resident_groups']} stay on the device, "
+        f"{stats['streamed_groups']} are copied to it at every step",
+        f"copied to the device: {stats['bytes_per_step'] / mb:.2f} MB a step, {stats['bytes_h2d'] / mb:.2f} MB in "
+        f"{stats['copies_h2d']} copies over {stats['steps']} steps (every step copies each streamed group{ahead})",
         f"copied back to the host: {stats['bytes_d2h']} bytes",
-        f"host overhead of the hooks: {stats['hook_us_per_group']:.0f} us per group",
-        "(ComfyUI runs on the CPU here: offloading brings nothing, but every copy is real)" if stats["cpu_only"] else "",
+        f"host time in the offload hooks: {stats['hook_us_per_group'] / 1000:.2f} ms a group{on_the_cpu}",
+        "(on the CPU offloading brings no speed, but every copy is real)" if stats["cpu_only"] else "",
     ]).strip()
 
 
@@ -65,7 +74,7 @@ def main(argv: list[str]) -> int:
         saved = Path(shutil.copy2(image, args.out / image.name))
         identical = np.array_equal(np.asarray(Image.open(image)), np.asarray(Image.open(plain_image)))
 
-        print(f"image: {saved}")
+        print(f"image: {saved} (noise: the tiny model's weights are random)")
         print(f"identical to the same workflow without offloading: {'yes' if identical else 'NO'}")
         print(summary(offloaded["outputs"][REPORT_ID]["group_offload"][0]))
     return 0 if identical else 1
