@@ -23,6 +23,11 @@ It runs with one intra-op thread by default (``--threads``): with two, every sma
 machine of the first measurement, an artefact a CUDA copy never pays.
 
 Run ``python bench/hook_overhead.py [--profile] [--threads N]``; ``cpu_benchmark.py`` runs it too.
+
+Before and after a change, in the same run: ``--base DIR`` loads the ``offload_core`` of another checkout
+(``git worktree add DIR REV``, or ``git archive REV | tar -x -C DIR``) beside this one and measures the
+narrow configurations on both, alternated for ``--rounds`` rounds (the order swapped each round), so that
+both see the same machine load; it prints each one's median per-group hook time and their ratio.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import argparse
 import cProfile
 import importlib.util
 import io
+from types import ModuleType
+from pathlib import Path
 import logging
 import pstats
 import statistics
@@ -41,9 +48,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bench_paths import REPO_ROOT
-from offload_core import apply_group_offload
-from offload_core.group import HOST
+from bench_paths import REPO_ROOT  # first: it puts the repository root (offload_core) on sys.path
+import offload_core
 from reporting import fmt, markdown_table
 
 log = logging.getLogger("hook_overhead")
@@ -150,10 +156,12 @@ def _forward_times(model: nn.Module, x: torch.Tensor, forwards: int) -> list[flo
     return times
 
 
-def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[str, float | str | int]:
+def measure(config: Config, profiler: cProfile.Profile | None = None,
+            core: ModuleType = offload_core) -> dict[str, float | str | int]:
     """One configuration: engine on, ``config.forwards`` forwards, the figures of the module docstring.
 
-    With ``profiler``, the forwards after the first run under it (which inflates the figures).
+    With ``profiler``, the forwards after the first run under it (which inflates the figures); ``core``: the
+    ``offload_core`` package to measure (another checkout's, for ``compare``).
     """
     torch.manual_seed(0)
     model = QwenLikeModel(config.blocks, config.narrow)
@@ -161,7 +169,7 @@ def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[st
         quantize_linears(model)
     x = torch.zeros(1)
     plain = statistics.median(_forward_times(model, x, max(3, config.forwards // 4)))
-    handle = apply_group_offload(model, list(model.transformer_blocks), "cpu", prefetch=config.prefetch)
+    handle = core.apply_group_offload(model, list(model.transformer_blocks), "cpu", prefetch=config.prefetch)
     group = handle.groups[0]
     resident = int(round(config.resident_fraction * len(handle.groups)))
     handle.set_resident_bytes(sum(sorted(g.nbytes for g in handle.groups)[:resident]))
@@ -185,7 +193,9 @@ def measure(config: Config, profiler: cProfile.Profile | None = None) -> dict[st
     repeats = 200 if group.nbytes < 2**24 else 3
     copy_us = _median_us(lambda: slab.copy_(group.mirror.buffer), repeats)
     device_views = group.device_views(slab)
-    repoint_us = _median_us(lambda: (group.bind(slab.data_ptr(), device_views), group.bind(HOST, group.mirror.views)), 200)
+    host = core.group.HOST
+    repoint_us = _median_us(lambda: (group.bind(slab.data_ptr(), device_views), group.bind(host, group.mirror.views)),
+                            200)
     handle.remove()
 
     hook_us = statistics.median(per_group_us)
@@ -220,6 +230,41 @@ def run_all(quick: bool = False, profile: bool = False, threads: int = 1) -> tup
     return results, _profile_text(pstats.Stats(profiler))
 
 
+def _load_other_core(checkout: Path) -> ModuleType:
+    """``checkout``'s ``offload_core``, imported beside this one as ``offload_core_base``."""
+    folder = checkout / "offload_core"
+    if not (folder / "__init__.py").is_file():
+        raise SystemExit(f"--base {checkout}: no offload_core/ there; give a checkout of the base commit")
+    spec = importlib.util.spec_from_file_location("offload_core_base", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    core = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = core  # its relative imports resolve under that name
+    spec.loader.exec_module(core)
+    return core
+
+
+def compare(checkout: Path, rounds: int, quick: bool = False, threads: int = 1) -> list[dict]:
+    """Per-group hook time of ``checkout``'s core and this one's, alternated in this process, narrow configurations."""
+    torch.set_num_threads(threads)
+    cores = {"base": _load_other_core(checkout), "this": offload_core}
+    configs = [c for c in default_configs(quick)
+               if c.narrow > 1 and (not c.quantized or importlib.util.find_spec("comfy_kitchen"))]
+    hook_us: dict[tuple[str, str], list[float]] = {(name, c.label): [] for name in cores for c in configs}
+    for turn in range(rounds):
+        for name in (["base", "this"] if turn % 2 == 0 else ["this", "base"]):
+            for config in configs:
+                hook_us[(name, config.label)].append(measure(config, core=cores[name])["hook_us"])
+        log.info("round %d of %d done", turn + 1, rounds)
+    return [{"config": c.label, "base_us": statistics.median(hook_us[("base", c.label)]),
+             "this_us": statistics.median(hook_us[("this", c.label)])} for c in configs]
+
+
+def comparison_table(rows: list[dict]) -> str:
+    return markdown_table(["configuration", "base hook µs/group", "this hook µs/group", "this ÷ base"],
+                          [[r["config"], fmt(r["base_us"], 1), fmt(r["this_us"], 1),
+                            fmt(r["this_us"] / r["base_us"], 3)] for r in rows])
+
+
 def _profile_text(stats: pstats.Stats, top: int = 14) -> str:
     """The ``top`` functions by own time, with paths shortened to the repository or site-packages."""
     out = io.StringIO()
@@ -249,8 +294,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer forwards")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of a narrow streamed run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see above)")
+    parser.add_argument("--base", type=Path, help="a checkout of the base commit: compare its core with this one")
+    parser.add_argument("--rounds", type=int, default=10, help="with --base: alternations (default 10)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.base is not None:
+        print(comparison_table(compare(args.base, args.rounds, args.quick, args.threads)))
+        return 0
     results, profile = run_all(args.quick, args.profile, args.threads)
     print(results_table(results))
     if profile:
