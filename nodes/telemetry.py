@@ -131,8 +131,7 @@ def quantized_formats(handle: GroupOffloadHandle) -> list[tuple[str, int]]:
 def host_dequantized_bytes(handle: GroupOffloadHandle) -> int:
     """The blocks' bytes that their layers dequantize on the host, each weight copied there at every forward and
     back: the GGUF types ComfyUI-GGUF has no torch dequantizer for (it falls back to gguf-py's numpy code)."""
-    return sum(packed_nbytes(tensor) for group in handle.groups for tensor in (b.current() for b in group.bindings)
-               if _dequantized_on_the_host(tensor))
+    return sum(packed_nbytes(tensor) for tensor in handle.block_tensors() if _dequantized_on_the_host(tensor))
 
 
 def _dequantized_on_the_host(tensor: torch.Tensor) -> bool:
