@@ -199,7 +199,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             return
         handle = handle_ref()
         if handle is not None and not learning["done"] and learning["watch"] is None:
-            learning["entered"] = handle.ledger.hook_calls
+            learning["entered"] = handle.ledger_figures()["hook_calls"]
             if not torch.compiler.is_compiling():  # (torch.compile of the whole model traces this hook)
                 learning["watch"] = OutsideUseWatch(handle, outside_use).__enter__()
 
@@ -212,7 +212,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
         if handle is None:
             return
         handle.close_open_groups()
-        if not learning["done"] and output is not None and handle.ledger.hook_calls > learning["entered"]:
+        if not learning["done"] and output is not None and handle.ledger_figures()["hook_calls"] > learning["entered"]:
             learning["done"] = True
             log.debug("Group Offload: %s runs its blocks through %s", name, ", ".join(handle.settle_entries()))
 
