@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 import comfy.model_management as mm
+import comfy.model_patcher
 import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
@@ -135,7 +136,12 @@ class GroupOffloadPatcher(ModelPatcher):
         warn_if_unpinned(handle)
         handle.set_onload_patch(patches, patches.keys(), device_bytes=patches.device_bytes)
         patch_encoded(self, patches.encoded, handle.config.onload_device)
-        handle.onload_resident()
+        self._set_cast_flags()
+        with handle.reading_sources():
+            handle.onload_resident()
+        # ComfyUI's ModelSave and LoRA extraction (0.3.75) load with patched weights, then read the
+        # model's own state dict: it gives the blocks' weights as this load patched them.
+        _READ_AFTER_LOAD[self.model.diffusion_model] = weakref.ref(self) if force_patch_weights else None
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
         stats = handle.stats()
@@ -143,6 +149,22 @@ class GroupOffloadPatcher(ModelPatcher):
                  "%.1f s spent pinning so far), prefetch %d", stats["resident_groups"], stats["groups"],
                  stats["resident_bytes"] / 1e9, stats["streamed_bytes_per_pass"] / 1e9, stats["pinned_bytes"] / 1e9,
                  stats["pin_seconds"], handle.config.prefetch)
+
+    def _set_cast_flags(self) -> None:
+        """The blocks' layers get the flags ComfyUI's load gives every layer it loads whole (the blocks are
+        hidden from it): a forced cast (ModelComputeDtype: weights cast to the compute dtype at each
+        forward) and the weight wrappers of ``add_weight_wrapper``."""
+        for name, module in self.model.named_modules():
+            if not (hasattr(module, "comfy_cast_weights") and self._is_block_key(f"{name}.")):
+                continue
+            comfy.model_patcher.wipe_lowvram_weight(module)
+            module.comfy_force_cast_weights = self.force_cast_weights
+            if self.force_cast_weights:
+                module.prev_comfy_cast_weights = module.comfy_cast_weights
+                module.comfy_cast_weights = True
+            for kind in ("weight", "bias"):
+                if hasattr(module, f"{kind}_function"):  # (emptied by the wipe)
+                    getattr(module, f"{kind}_function").extend(self.weight_wrapper_patches.get(f"{name}.{kind}", []))
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self._release_handle_memory()
@@ -153,6 +175,7 @@ class GroupOffloadPatcher(ModelPatcher):
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if not unpatch_weights:
             return super().unpatch_model(device_to, unpatch_weights)
+        _READ_AFTER_LOAD.pop(self.model.diffusion_model, None)
         self._release_handle_memory()
         # ComfyUI restores the patched weights, then moves the whole model to ``device_to``. The blocks
         # are the handle's to place, and a quantized layer's ``.to()`` would give it a new Parameter,
@@ -205,7 +228,9 @@ class GroupOffloadPatcher(ModelPatcher):
         refuse_cuda_graphs(self.model_options)
         handle = self.current_handle()
         mark_run_started(self.model.diffusion_model)
+        self._run_reads.close()
         if handle is not None:
+            self._run_reads.enter_context(handle.reading_sources())  # a writer a lease holds waits for the run
             handle.pin_streamed()  # takes back, from the models run longer ago, pins given up while this one waited
             _keep_page_cache(handle, self.model)
             start_run(self.model.diffusion_model, handle, self.offload_settings.node_id,
@@ -213,7 +238,64 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def cleanup(self):
         log_back_offs(finish_run(self.model.diffusion_model))
+        self._run_reads.close()
         super().cleanup()
+
+    # --- ComfyUI's readers of the weights, outside the pack's sampling run ------------------------
+    # Merges, ModelSave, LoRA extraction and custom nodes read the model's weights through these. The
+    # blocks' Parameters may show a run's patched device copies, or pages of a file changed since: all
+    # of them get the pristine host weights instead, after the file check, each patch applied once.
+
+    def get_key_patches(self, filter_prefix=None):
+        with _reading(self.model, None):  # (ComfyUI reads only the keys of the state dict here)
+            patches = super().get_key_patches(filter_prefix)
+        for key, weight in self._block_weights([k for k in patches if self._is_block_key(k)], patched=False).items():
+            (_, convert), *applied = patches[key]
+            patches[key] = [(weight, convert), *applied]  # ComfyUI applies this patcher's patches to it
+        return patches
+
+    def model_state_dict(self, filter_prefix=None):
+        with _reading(self.model, self):
+            return super().model_state_dict(filter_prefix)
+
+    def state_dict_for_saving(self, *args, **kwargs):
+        # (newest ComfyUI's ModelSave; 0.3.75 reads the model's own state dict after ``load``)
+        with _reading(self.model, self):
+            return super().state_dict_for_saving(*args, **kwargs)
+
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
+        if not self._is_block_key(key):
+            return super().patch_weight_to_device(key, device_to, inplace_update, **kwargs)
+        if kwargs.get("return_weight"):  # newest ComfyUI's ModelSave, one weight at a time
+            return self._block_weights([key], patched=True, device=device_to)[key]
+        if inplace_update or self.weight_inplace_update:
+            raise ValueError(f"Group Offload cannot patch {key} in place: the blocks' weights are its pristine host "
+                             f"copies, or read-only pages of the model file, and it applies patches (LoRA...) on the "
+                             f"GPU to each copy it streams. Add the patch with a LoRA loader or add_patches instead")
+        return super().patch_weight_to_device(key, device_to, inplace_update, **kwargs)  # a loader's own way
+
+    def _block_weights(self, keys: list[str], patched: bool, device: torch.device | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The named block weights from the host copies (``GroupOffloadHandle.host_tensors``: after the file
+        check, never a view of a file), with this patcher's patches applied once when ``patched`` (computed on
+        the load device; returned on ``device``, by default the host). Without a handle (a plain patcher took it
+        off) the modules hold host weights themselves: none is given."""
+        handle = self.current_handle()
+        if handle is None or not keys:
+            return {}
+        weights = handle.host_tensors(keys)
+        if not patched:
+            return weights
+        device = self.load_device
+        patches = BlockPatches(self.model, {k: self.patches[k] for k in weights if k in self.patches}, device,
+                               patch_compute_dtype(self, device))
+        for key in patches.keys():
+            weights[key] = patches(key, weights[key].to(device))
+        return {key: weight.to(device or "cpu") for key, weight in weights.items()}
+
+    def _loaded_patched(self) -> bool:
+        """Whether the model's weights are, as ComfyUI sees them, patched by this patcher's last ``load``."""
+        return getattr(self.model, "current_weight_patches_uuid", None) == self.patches_uuid
 
     def plan_for_run(self, activation_bytes: int) -> None:
         """Before ComfyUI loads this model for a sampling run: the files the groups left in place map must
@@ -280,8 +362,62 @@ class GroupOffloadPatcher(ModelPatcher):
         return self._of_blocks(self.patches)
 
     def _of_blocks(self, patches: dict[str, list]) -> dict[str, list]:
-        prefixes = tuple(f"diffusion_model.{path}." for path in block_list_paths(self.model.diffusion_model))
-        return {key: patch for key, patch in patches.items() if key.startswith(prefixes)}
+        return {key: patch for key, patch in patches.items() if self._is_block_key(key)}
+
+    def _is_block_key(self, key: str) -> bool:
+        paths = block_list_paths(self.model.diffusion_model)
+        return key.startswith(tuple(f"diffusion_model.{path}." for path in paths))
+
+    @property
+    def _run_reads(self) -> contextlib.ExitStack:
+        """What the sampling run in progress holds open (``pre_run`` to ``cleanup``)."""
+        if "_run_reads_stack" not in self.__dict__:
+            self._run_reads_stack = contextlib.ExitStack()
+        return self._run_reads_stack
+
+
+# --- the blocks in the model's own state dict --------------------------------------------------------
+
+# Diffusion model -> the patcher reading its state dict now (None: only its keys are read).
+_READING: "weakref.WeakKeyDictionary[nn.Module, weakref.ref | None]" = weakref.WeakKeyDictionary()
+# Diffusion model -> the patcher whose ``load(force_patch_weights=True)`` patched it, until the next load.
+_READ_AFTER_LOAD: "weakref.WeakKeyDictionary[nn.Module, weakref.ref | None]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _reading(base_model: nn.Module, patcher: GroupOffloadPatcher | None) -> Iterator[None]:
+    """While ``patcher`` (None: nobody, only keys are read) reads ``base_model``'s state dict; the outermost wins."""
+    diffusion_model = base_model.diffusion_model
+    if diffusion_model in _READING:
+        yield
+        return
+    _READING[diffusion_model] = None if patcher is None else weakref.ref(patcher)
+    try:
+        yield
+    finally:
+        _READING.pop(diffusion_model, None)
+
+
+def _blocks_in_state_dict(diffusion_model: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """The diffusion model's state-dict hook: the blocks' entries become the weights ComfyUI would see (the
+    reading patcher's ``_block_weights``, patched if its load patched the model), when a patcher reads."""
+    reader = _READING[diffusion_model] if diffusion_model in _READING else _READ_AFTER_LOAD.get(diffusion_model)
+    patcher = None if reader is None else reader()
+    if patcher is None:
+        return
+    keys = {f"diffusion_model.{key[len(prefix):]}": key for key in state if key.startswith(prefix)}
+    weights = patcher._block_weights([k for k in keys if patcher._is_block_key(k)], patched=patcher._loaded_patched())
+    for key, weight in weights.items():
+        state[keys[key]] = weight
+
+
+_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _hook_state_dict(diffusion_model: nn.Module) -> None:
+    if diffusion_model not in _HOOKED:
+        _HOOKED.add(diffusion_model)
+        diffusion_model.register_state_dict_post_hook(_blocks_in_state_dict)
 
 
 # --- making one -----------------------------------------------------------------------------------
@@ -351,6 +487,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     clone.offload_settings = settings
     clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     own_handle(clone)
+    _hook_state_dict(clone.model.diffusion_model)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     for kind, wrapper in _WRAPPERS.items():

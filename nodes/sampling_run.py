@@ -51,6 +51,7 @@ def apply_model_backing_off(executor, *args, **kwargs):
     nothing left pinned, and the next run of the model pins it again (``pre_run``)."""
     base_model = executor.class_obj
     handle = handle_for_model(base_model)  # (``load`` built it before any forward)
+    handle.check_sources()  # at every step: a file changed during the run fails it here, with a node error
     try:
         return call_backing_off(handle, lambda: executor(*args, **kwargs),
                                 advice=lambda: _what_would_fit(base_model, handle),

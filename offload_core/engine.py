@@ -12,10 +12,11 @@ The rooms behind the face, each importing only those below it:
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -122,9 +123,36 @@ class GroupOffloadHandle(GroupHooks):
         self._transfers.ledger = TransferLedger()
 
     def check_sources(self) -> None:
-        """Before a run: ``SourceChangedError`` if a file that groups kept in place are mapped from shrank or
-        changed on disk (reading a page of a shrunk mapping is a SIGBUS, not an error)."""
-        self._sources.check()
+        """Before a run, each model call and any read of the host weights: ``SourceChangedError`` if a file that
+        groups kept in place are mapped from shrank or changed on disk, or a writer opened it (reading a page of
+        a shrunk mapping is a SIGBUS, not an error). A writer a lease held is let go once the copies in flight
+        are done: nothing reads the mappings after the error."""
+        try:
+            self._sources.check()
+        except Exception:
+            self._finish_copies()
+            self._sources.let_writers_go()
+            raise
+
+    @contextlib.contextmanager
+    def reading_sources(self) -> Iterator[None]:
+        """While the groups kept in place may be read (a sampling run): a writer a lease holds waits until the
+        next ``check_sources`` fails, or this ends (with the copies in flight done)."""
+        with self._sources.reading():
+            try:
+                yield
+            finally:
+                self._finish_copies()
+        self._sources.let_writers_go()
+
+    def host_tensors(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """The named tensors (qualified names in the model) as their host copies hold them, after
+        ``check_sources``: pristine (patches go to device copies), and those of groups kept in place copied
+        into memory of their own, so that no later change of their file reaches them."""
+        self.check_sources()
+        wanted = set(names)
+        with self._sources.reading():
+            return {name: tensor for group in self.groups for name, tensor in group.host_tensors(wanted).items()}
 
     def keep_cached(self, room: int | None) -> int:
         """Give the groups kept in place ``room`` bytes of page cache (None: as much as they need); returns the

@@ -268,6 +268,18 @@ class ModuleGroup:
     def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
         return self.mirror.pin(pinner, drain)
 
+    def host_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The named tensors of this group over its host copy (``HostMirror.own_view``: never a view of a file)."""
+        views = list(self.mirror.views)
+        tensors = {}
+        for binding in self.bindings:
+            if binding.qualname in names:
+                parts = range(binding.first, binding.last)
+                views[binding.first : binding.last] = [self.mirror.own_view(i) for i in parts]
+                with torch.inference_mode(self.inference):
+                    tensors[binding.qualname] = binding.tensor_over(views)
+        return tensors
+
     def bind(self, key: int, views: list[torch.Tensor]) -> None:
         """Point every parameter and buffer at ``views`` (the layout ``key`` names); the hot path."""
         for param, view in zip(self._params, views):

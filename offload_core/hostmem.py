@@ -10,17 +10,26 @@ which would make the next read of a dropped page a SIGBUS.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import mmap
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
-import zlib
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # (not on Windows: no leases there)
+    fcntl = None
 
 import torch
 
@@ -29,12 +38,14 @@ log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 #: Where this process's mappings are listed (Linux).
 PROC_MAPS = Path("/proc/self/maps")
-#: Pages compared to tell a file restored on disk (same bytes, new modification time) from a changed one.
-_FINGERPRINT_PAGES = 64
 
 
 class SourceChangedError(ValueError):
     """A file that offloaded groups stream from changed on disk since they were mapped."""
+
+
+# ComfyUI names an error's type by its module; the pack's are named after the folder it is installed in.
+SourceChangedError.__module__ = "offload_core"
 
 
 def map_file(path: str | os.PathLike) -> torch.Tensor:
@@ -47,9 +58,19 @@ def map_file(path: str | os.PathLike) -> torch.Tensor:
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ)  # the tensor keeps it open
+        kept = os.dup(file.fileno())  # the file the mapping reads, asked later whatever the path names then
     with warnings.catch_warnings():  # read-only by design, as ComfyUI's own loader maps its files
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+    _KEPT[tensor.data_ptr()] = kept
+    weakref.finalize(mapping, _forget_kept, tensor.data_ptr(), kept).atexit = False
+    return tensor
+
+
+def _forget_kept(address: int, fd: int) -> None:
+    if _KEPT.get(address) == fd:
+        del _KEPT[address]
+    os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -112,20 +133,40 @@ class SourceFiles:
         offset = mapping.offset + tensor.data_ptr() - mapping.start
         key = (mapping.device, mapping.inode)
         if key not in self._files:
-            self._files[key] = _SourceFile(mapping.path, mapping.device, mapping.inode)
+            self._files[key] = _SourceFile(mapping)
         source = self._files[key]
         source.needed = max(source.needed, offset + _extent(tensor))
-        return None if source._file is None else FilePages(source._file.fileno(), offset, not mapping.writable)
+        return None if source._fd is None else FilePages(source._fd, offset, not mapping.writable)
 
     def seal(self) -> None:
-        """Take each file's size, time and fingerprint as they are now: what ``check`` compares with."""
+        """Take each file's size, times and inode as they are now (what ``check`` compares with), and a read
+        lease on it where the kernel grants one."""
         for source in self._files.values():
             source.seal()
 
     def check(self) -> None:
-        """``SourceChangedError`` if a file shrank below its mapped bytes or changed on disk since ``seal``."""
+        """``SourceChangedError`` if a file shrank below its mapped bytes, changed on disk since ``seal``, or a
+        writer opened it (its lease broke)."""
         for source in self._files.values():
             source.check()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While the mappings may be read: a writer held by a lease waits (until ``let_writers_go``, or the
+        kernel's lease-break-time); outside, it is let go as soon as it is noticed."""
+        for source in self._files.values():
+            source.readers += 1
+        try:
+            yield
+        finally:
+            for source in self._files.values():
+                source.readers -= 1
+
+    def let_writers_go(self) -> None:
+        """Give up the leases a writer is waiting on: nothing reads their mappings any more."""
+        for source in self._files.values():
+            if source.broken:
+                source.release_lease()
 
     @property
     def paths(self) -> list[str]:
@@ -133,50 +174,151 @@ class SourceFiles:
 
 
 class _SourceFile:
-    """One mapped file, asked through a descriptor opened when it was mapped: the file the mapping reads,
-    whatever the path names later (a file replaced under it), and whatever device and inode stat shows
-    for it (overlayfs, as in Docker, shows its own, not the ones ``/proc/self/maps`` lists)."""
+    """One mapped file, asked through a descriptor on the file the mapping reads (the one ``map_file`` kept,
+    or one opened when it was found): whatever the path names later (a file replaced under it, a new
+    download), and whatever device and inode stat shows for it (overlayfs, as in Docker, shows its own,
+    not the ones ``/proc/self/maps`` lists).
 
-    def __init__(self, path: str, device: int, inode: int) -> None:
-        self.path, self.device, self.inode = path, device, inode
+    Where the kernel grants it, a read lease (``F_SETLEASE``) holds a process that opens the file for
+    writing or truncates it until the lease is given up: the pack notices first (``_LeaseWatch``), and
+    lets it go once nothing reads the mapping (a writer waits at most the kernel's lease-break-time,
+    /proc/sys/fs/lease-break-time, 45 s by default; past it, the kernel lets the writer go anyway).
+    """
+
+    def __init__(self, mapping: _Mapping) -> None:
+        self.path = mapping.path
         self.needed = 0
-        self.mtime_ns = 0
-        self.fingerprint = 0
-        try:
-            self._file: BinaryIO | None = open(path, "rb")  # open while the mapping is read
+        self.readers = 0  # ``SourceFiles.reading`` in progress
+        self.broken = False  # a writer opened the file: it stays refused
+        self.leased = False
+        self._sealed: tuple[int, ...] | None = None
+        try:  # (removed since it was mapped and not mapped by ``map_file``: no path can change the bytes it maps)
+            self._fd: int | None = kept_descriptor(mapping.start - mapping.offset) or os.open(mapping.path, os.O_RDONLY)
         except OSError:
-            self._file = None  # removed since it was mapped: no path can change the bytes it maps
+            self._fd = None
+        if self._fd is not None:
+            weakref.finalize(self, _close_leased, self._fd).atexit = False
 
     def seal(self) -> None:
-        if self._file is not None:
-            self.mtime_ns = os.fstat(self._file.fileno()).st_mtime_ns
-            self.fingerprint = self._fingerprint()
+        if self._fd is None or self._sealed is not None:
+            return
+        self._sealed = self._identity()
+        self.leased = _take_read_lease(self._fd)
+        if self.leased:
+            _LeaseWatch.watch(self)
+
+    def _identity(self) -> tuple[int, ...]:
+        """What a write changes: size, modification time and change time (also moved by one that puts the old
+        modification time back). A change of the link count moves the change time too (the path replaced by
+        a new download, or removed): the file's bytes are not written by it."""
+        stat = os.fstat(self._fd)
+        return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_nlink, stat.st_ino, stat.st_dev
+
+    def lease_broken(self) -> bool:
+        """Whether a writer opened the file since the lease was taken (the kernel is breaking it)."""
+        if self.leased and not self.broken and fcntl.fcntl(self._fd, _F_GETLEASE) != fcntl.F_RDLCK:
+            self.broken = True
+        return self.broken
+
+    def release_lease(self) -> None:
+        if self.leased:
+            self.leased = False
+            fcntl.fcntl(self._fd, _F_SETLEASE, fcntl.F_UNLCK)
 
     def check(self) -> None:
-        if self._file is None:
+        if self._fd is None:
             return
-        stat = os.fstat(self._file.fileno())
+        size, mtime, ctime, links, *file = self._identity()
+        sealed_size, sealed_mtime, sealed_ctime, sealed_links, *sealed_file = self._sealed
         name = Path(self.path).name
-        if stat.st_size < self.needed:
+        reload = ("load the model again: Free model and node cache (in ComfyUI's menu), or change an input of its "
+                  "loader; the loader then maps the file as it is on disk")
+        if size < self.needed:
+            self.broken = True
             raise SourceChangedError(
-                f"{name} is now {stat.st_size} bytes on disk, but the offloaded model streams {self.needed} bytes "
-                f"of it from its memory mapping: restore the file (the model runs again once it is whole), or load "
-                f"the model again")
-        if stat.st_mtime_ns != self.mtime_ns:
-            if self._fingerprint() != self.fingerprint:
-                raise SourceChangedError(
-                    f"{name} changed on disk since the offloaded model mapped it: its weights would no longer be the "
-                    f"ones it was loaded with. Restore the file, or load the model again")
-            self.mtime_ns = stat.st_mtime_ns  # rewritten with the same bytes (restored)
-            log.info("Group Offload: %s was rewritten on disk with the same bytes; streaming from it goes on", name)
+                f"{name} is now {size} bytes on disk, but the offloaded model streams {self.needed} bytes of it from "
+                f"its memory mapping, which can no longer be read. Put the whole file back (or download it again), "
+                f"then {reload}")
+        ctime_moved = ctime != sealed_ctime and links == sealed_links
+        if self.lease_broken() or (size, mtime, file) != (sealed_size, sealed_mtime, sealed_file) or ctime_moved:
+            self.broken = True
+            raise SourceChangedError(
+                f"{name} was written to since the offloaded model mapped it (its size, modification or change time, "
+                f"or a writer that opened it, tell so; its bytes are not compared), so its weights may no longer be "
+                f"the ones it was loaded with. To use the file as it is now, {reload}")
 
-    def _fingerprint(self) -> int:
-        """A checksum of pages spread over the mapped bytes, read through the file, never the mapping."""
-        step = max(_PAGE, self.needed // _FINGERPRINT_PAGES // _PAGE * _PAGE)
-        checksum = 0
-        for offset in range(0, self.needed, step):
-            checksum = zlib.crc32(os.pread(self._file.fileno(), _PAGE, offset), checksum)
-        return checksum
+
+def _close_leased(fd: int) -> None:
+    os.close(fd)  # (a lease goes with its descriptor)
+
+
+#: ``fcntl`` commands (Linux) to set and ask a file lease, and to pick the signal a lease break sends.
+_F_SETLEASE, _F_GETLEASE, _F_SETSIG = 1024, 1025, 10
+
+
+def _take_read_lease(fd: int) -> bool:
+    """A read lease on ``fd``, if the kernel grants one (Linux; the file's owner or CAP_LEASE; no writer has it
+    open; a file system that has leases). Its break is noticed by asking (``_LeaseWatch``), never by a signal:
+    the one the kernel sends is SIGURG (ignored unless handled) and, once the lease is set, to no process."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)  # (SIGIO, the default, would end the process)
+        fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+    except OSError as error:
+        log.debug("Group Offload: no read lease on a mapped file (%s); its changes are seen by stat alone", error)
+        return False
+    return True
+
+
+class _LeaseWatch:
+    """One daemon thread that asks every leased file, a few times a second, whether a writer waits on it: its
+    file is marked changed (every later check refuses it) and, unless a run or a reader reads its mapping
+    (``SourceFiles.reading``, which lets it go when done), the writer is let go at once."""
+
+    _files: "weakref.WeakSet[_SourceFile]" = weakref.WeakSet()
+    _thread: threading.Thread | None = None
+    _lock = threading.Lock()
+    interval = 0.2
+
+    @classmethod
+    def watch(cls, source: _SourceFile) -> None:
+        with cls._lock:
+            cls._files.add(source)
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._run, name="group-offload-lease-watch", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(cls.interval)
+            with cls._lock:
+                sources = list(cls._files)
+            for source in sources:
+                try:
+                    if source.leased and source.lease_broken() and source.readers == 0:
+                        log.warning("Group Offload: %s is being written to while an offloaded model maps it; that "
+                                    "model refuses to run from now on", Path(source.path).name)
+                        source.release_lease()
+                except OSError:  # (closed meanwhile: the model is gone)
+                    source.leased = False
+
+
+_KEPT: dict[int, int] = {}  # where ``map_file`` mapped a file -> a descriptor on that file, while it is mapped
+
+
+def kept_descriptor(address: int) -> int | None:
+    """A descriptor of its own (an open file of its own, for a lease of its own) on the file ``map_file``
+    mapped at ``address``, if it did: opened again through /proc, which reaches it even once removed."""
+    fd = _KEPT.get(address)
+    if fd is None:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    except OSError:
+        return os.dup(fd)
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None

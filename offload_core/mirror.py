@@ -127,6 +127,10 @@ class HostMirror:
         if self._unpin is not None:
             self._unpin()
 
+    def own_view(self, index: int) -> torch.Tensor:
+        """Segment ``index``'s tensor in memory the pack owns: its view of the packed buffer."""
+        return self.views[index]
+
     def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
         """Copy the packed bytes into ``target`` (a host buffer); returns 0, the bytes read from a disk."""
         copy(target[: self.nbytes], self.buffer)
@@ -163,6 +167,10 @@ class InPlaceMirror:
 
     def unpin(self) -> None:
         pass
+
+    def own_view(self, index: int) -> torch.Tensor:
+        """Segment ``index``'s tensor in memory of its own: a copy where it lies in a mapped file (read now)."""
+        return self.views[index].clone() if self._file_backed[index] else self.views[index]
 
     def read_ahead(self) -> None:
         """Have the kernel start reading the mapped tensors from the disk, ahead of the gather."""

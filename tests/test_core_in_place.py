@@ -153,26 +153,40 @@ def test_the_host_waits_for_the_worker_before_the_compute_reads_its_copy(tmp_pat
     handle.remove()
 
 
-def test_a_file_that_shrinks_or_changes_is_refused_until_restored(tmp_path):
+def test_a_file_that_shrinks_or_changes_is_refused_for_good_and_a_new_mapping_reads_it(tmp_path):
+    """Whatever the file becomes after a write (even its old bytes again), the handle refuses it: only its size and
+    times are asked, never its bytes. Mapping it again (loading the model again) reads it as it is."""
     reference, offloaded, x = mapped_pair(tmp_path)
     path = tmp_path / "blocks.bin"
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
     original = path.read_bytes()
     handle.check_sources()
     os.truncate(path, len(original) // 2)
-    with pytest.raises(SourceChangedError, match=r"blocks\.bin is now \d+ bytes on disk.*restore the file"):
+    with pytest.raises(SourceChangedError, match=r"blocks\.bin is now \d+ bytes on disk.*Free model and node cache"):
         handle.check_sources()
-    path.write_bytes(original)  # restored: same bytes, a new modification time
+    path.write_bytes(original)  # restored: same bytes, new times
+    with pytest.raises(SourceChangedError, match=r"blocks\.bin was written to since .*load the model again"):
+        handle.check_sources()
+    handle.remove()
+    reference, offloaded, x = mapped_pair(tmp_path)  # the file mapped again
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
     handle.check_sources()
     with torch.inference_mode():
         assert torch.equal(offloaded(x), reference(x))
-    changed = bytearray(original)
-    changed[: len(changed) // 2] = bytes(len(changed) // 2)
-    path.write_bytes(bytes(changed))
-    with pytest.raises(SourceChangedError, match=r"blocks\.bin changed on disk"):
+    handle.remove()
+
+
+def test_a_rewrite_that_puts_the_old_times_back_is_refused(tmp_path):
+    """Another model's bytes, same size, the old modification time put back: the change time tells."""
+    _, offloaded, _ = mapped_pair(tmp_path)
+    path = tmp_path / "blocks.bin"
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", host_budget=0)
+    stat = path.stat()
+    with path.open("r+b") as file:
+        file.write(bytes(stat.st_size))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(SourceChangedError, match="was written to"):
         handle.check_sources()
-    path.write_bytes(original)
-    handle.check_sources()
     handle.remove()
 
 

@@ -133,4 +133,7 @@ def test_a_gguf_file_cut_short_under_its_streaming_model_fails_the_next_run_only
     assert error["exception_message"].startswith(f"{name} is now {len(whole) // 2} bytes on disk")
     with open(path, "r+b") as file:
         file.write(whole)
-    assert gguf_server.output_images(gguf_server.run(prompt(10)))
+    error = node_error(gguf_server, prompt(10))
+    assert error["exception_message"].startswith(f"{name} was written to since the offloaded model mapped it")
+    again = gguf_prompt(name, seed=11, options=IN_PLACE | {"prefetch": 0})  # a changed input: the handle built again
+    assert gguf_server.output_images(gguf_server.run(again))

@@ -287,17 +287,18 @@ def test_a_changed_source_fails_the_run_before_anything_is_read_and_the_model_ru
 def test_a_model_file_changed_on_disk_is_a_node_error_and_the_server_runs_on(comfy_server: ComfyServer):
     """Through the loader with nothing packed, every group streams from the file's pages (float32, the dtype
     ComfyUI computes in on the CPU, so that the blocks are the file's bytes): a truncated file fails the next
-    run with the core's message, before a page past its end is read (that would kill the server), and once the
-    file is whole again the same model runs again."""
+    run with the core's message, before a page past its end is read (that would kill the server); the model stays
+    refused once the file is whole again (its bytes are not compared), and runs once loaded again."""
     name = "host_budget_changing.safetensors"
     path = comfy_server.models.models_dir / "diffusion_models" / name
     shutil.copyfile(fixture_models.tiny_qwen_image_file(dtype=torch.float32), path)
     original = path.read_bytes()
 
-    def run(seed: int, check: bool = True) -> dict:
+    def run(seed: int, check: bool = True, prefetch: int = OFFLOAD_DEFAULTS["prefetch"]) -> dict:
         prompt = txt2img_workflow(name, seed=seed)
         prompt["1"] = {"class_type": "GroupOffloadLoader", "inputs": {
-            "unet_name": name, "weight_dtype": "default", **OFFLOAD_DEFAULTS, "host_memory": "budget", "host_gb": 0.0}}
+            "unet_name": name, "weight_dtype": "default", **OFFLOAD_DEFAULTS, "prefetch": prefetch,
+            "host_memory": "budget", "host_gb": 0.0}}
         prompt["20"] = {"class_type": "GroupOffloadReport", "inputs": {"model": ["1", 0], "samples": ["6", 0]}}
         return comfy_server.wait(comfy_server.queue(prompt), check=check)
 
@@ -312,7 +313,9 @@ def test_a_model_file_changed_on_disk_is_a_node_error_and_the_server_runs_on(com
     assert error["exception_message"].startswith(f"{name} is now {len(original) // 2} bytes on disk")
     with open(path, "r+b") as file:
         file.write(original)
-    assert comfy_server.output_images(run(96))
+    error = next(m[1] for m in run(96, check=False)["status"]["messages"] if m[0] == "execution_error")
+    assert error["exception_message"].startswith(f"{name} was written to since the offloaded model mapped it")
+    assert comfy_server.output_images(run(97, prefetch=0))  # a changed loader input: loaded again
 
 
 # --- the readout and the report -------------------------------------------------------------------
