@@ -304,7 +304,7 @@ class GroupOffloadPatcher(ModelPatcher):
         The plan in effect is made again when the run needs other room than the last one (its latent may
         be smaller) or the last run backed off."""
         handle = self.current_handle()
-        if handle is not None:
+        if handle is not None and self._fits(handle, self.load_device):  # (else ``load`` builds a new one)
             handle.check_sources()
         backed_off = handle is not None and handle.backed_off
         replan = self.offload_settings.residency == "auto" and RUN_ACTIVATIONS.get(self.model) != activation_bytes
@@ -324,15 +324,18 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def handle(self, device: torch.device) -> GroupOffloadHandle:
         """The handle on this model's blocks, built (or rebuilt for a new layout) on demand."""
-        settings = self.offload_settings
         handle = self.current_handle()
-        if handle is not None and (built_for(handle) != settings.handle_layout()
-                                   or handle.config.onload_device != torch.device(device)):
+        if handle is not None and not self._fits(handle, device):
             remove_handle(self.model)  # the new handle adopts the packed host buffers as they are
             handle = None
         if handle is None:
-            handle = build_handle(self.model, self.blocks(), device, settings)
+            handle = build_handle(self.model, self.blocks(), device, self.offload_settings)
         return handle
+
+    def _fits(self, handle: GroupOffloadHandle, device: torch.device) -> bool:
+        """Whether ``handle`` is built for these settings and ``device`` (else ``handle`` builds a new one)."""
+        return (built_for(handle) == self.offload_settings.handle_layout()
+                and handle.config.onload_device == torch.device(device))
 
     def _release_handle_memory(self) -> int:
         handle = self.current_handle()
