@@ -87,7 +87,11 @@ class GroupOffloadPatcher(ModelPatcher):
     - ``detach``              parks the handle before a run, so a plain clone finds pristine host weights;
     - ``patch_hooks``         weight hooks on the blocks are refused: ComfyUI would write them in place;
     - ``pinned_memory_size`` / ``partially_unload_ram``  ComfyUI counts and releases the handle's pinned mirrors;
-    - ``pre_run`` / ``cleanup``  no CUDA graphs; pins taken back; the run's telemetry starts and ends.
+    - ``pre_run`` / ``cleanup``  no CUDA graphs; pins taken back; the run's telemetry starts and ends; a writer
+                              of a mapped file waits for the run (``GroupOffloadHandle.reading_sources``);
+    - ``get_key_patches`` / ``model_state_dict`` / ``state_dict_for_saving`` / ``patch_weight_to_device``
+                              merges, saves and LoRA extraction get the pristine host weights, each patch once,
+                              after the file check; a block weight patched in place is refused.
     """
 
     offload_settings: OffloadSettings
@@ -138,10 +142,14 @@ class GroupOffloadPatcher(ModelPatcher):
         patch_encoded(self, patches.encoded, handle.config.onload_device)
         self._set_cast_flags()
         with handle.reading_sources():
+            handle.check_sources()  # (also outside a sampling run: ModelSave loads the model too)
             handle.onload_resident()
-        # ComfyUI's ModelSave and LoRA extraction (0.3.75) load with patched weights, then read the
-        # model's own state dict: it gives the blocks' weights as this load patched them.
-        _READ_AFTER_LOAD[self.model.diffusion_model] = weakref.ref(self) if force_patch_weights else None
+        # ComfyUI 0.3.75's ModelSave loads with patched weights, then reads the model's own state dict: its
+        # next read gives the blocks' weights as this load patched them.
+        if force_patch_weights:
+            _READ_AFTER_LOAD[self.model.diffusion_model] = weakref.ref(self)
+        else:
+            _READ_AFTER_LOAD.pop(self.model.diffusion_model, None)
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
         stats = handle.stats()
@@ -383,8 +391,8 @@ class GroupOffloadPatcher(ModelPatcher):
 
 # Diffusion model -> the patcher reading its state dict now (None: only its keys are read).
 _READING: "weakref.WeakKeyDictionary[nn.Module, weakref.ref | None]" = weakref.WeakKeyDictionary()
-# Diffusion model -> the patcher whose ``load(force_patch_weights=True)`` patched it, until the next load.
-_READ_AFTER_LOAD: "weakref.WeakKeyDictionary[nn.Module, weakref.ref | None]" = weakref.WeakKeyDictionary()
+# Diffusion model -> the patcher whose ``load(force_patch_weights=True)`` patched it, for the next read.
+_READ_AFTER_LOAD: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -404,7 +412,8 @@ def _reading(base_model: nn.Module, patcher: GroupOffloadPatcher | None) -> Iter
 def _blocks_in_state_dict(diffusion_model: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     """The diffusion model's state-dict hook: the blocks' entries become the weights ComfyUI would see (the
     reading patcher's ``_block_weights``, patched if its load patched the model), when a patcher reads."""
-    reader = _READING[diffusion_model] if diffusion_model in _READING else _READ_AFTER_LOAD.get(diffusion_model)
+    after_load = _READ_AFTER_LOAD.pop(diffusion_model, None)
+    reader = _READING[diffusion_model] if diffusion_model in _READING else after_load
     patcher = None if reader is None else reader()
     if patcher is None:
         return

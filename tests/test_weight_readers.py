@@ -181,18 +181,19 @@ def test_model_compute_dtype_reaches_the_streamed_blocks(server, dtype):
 
 # --- a changed file: a node error, the server alive --------------------------------------------------------------
 
-def test_a_file_cut_short_is_refused_by_every_reader(server):
+@pytest.mark.parametrize("residency", RESIDENCIES)
+def test_a_file_cut_short_is_refused_by_every_reader(server, residency):
     """Truncated after a run: the next merge (C1) and the next save (C2) fail at their node, before a page of the
-    mapping is read; the server runs on."""
-    name = copy_of_a(server, "cut_short")
-    a = offloaded(name)
+    mapping is read (``auto`` keeps the groups resident: ModelSave's load copies them); the server runs on."""
+    name = copy_of_a(server, f"cut_short_{residency}")
+    a = offloaded(name, residency=residency)
     assert latent(server, sampled({"a": a}, ["a", 0])).isfinite().all()
     size = model_path(server, name).stat().st_size
     os.truncate(model_path(server, name), size // 2)
     merge = sampled({"a": a, "b": plain("b.safetensors"), "m": node("ModelMergeSimple", model1=["b", 0],
                                                                       model2=["a", 0], ratio=0.4)}, ["m", 0])
     assert_refused(node_error(server, merge), "ModelMergeSimple", name, f"is now {size // 2} bytes on disk")
-    save = {"a": a, "save": node("ModelSave", model=["a", 0], filename_prefix="checkpoints/cut_short")}
+    save = {"a": a, "save": node("ModelSave", model=["a", 0], filename_prefix=f"checkpoints/cut_short_{residency}")}
     assert_refused(node_error(server, save), "ModelSave", name, f"is now {size // 2} bytes on disk")
     assert latent(server, sampled({"a": plain("a.safetensors")}, ["a", 0], seed=3)).isfinite().all()
 
