@@ -63,7 +63,7 @@ def test_block_patches_move_the_lora_tensors_to_the_device_once(models):
     lora_module = pack_module("nodes.lora")
     lora = with_lora(offload(load_plain()), 0.8)
     originals = block_lora_tensors(lora)
-    patches = lora_module.BlockPatches(lora.model, lora._block_patches(), torch.device("meta"))
+    patches = lora_module.BlockPatches(lora.model, lora._block_patches(), torch.device("meta"), torch.float32)
     assert sorted(patches.keys()) == sorted(originals)
     for key, moved in patches._patches.items():
         adapter = moved[0][1]
