@@ -82,6 +82,7 @@ class GroupOffloadPatcher(ModelPatcher):
     - ``model_size``          ComfyUI makes room for what the blocks hold on the device, not their host bytes;
     - ``load``                ComfyUI's loader never moves the blocks: the handle places them (no ``super()``
                               for the blocks, which ComfyUI's load must not see);
+    - ``partially_load``      no re-patch forced by the loader's patcher (it gives the resident groups up);
     - ``partially_unload``    the handle's device memory goes first, then ComfyUI's own;
     - ``unpatch_model``       the blocks are the handle's to place: ComfyUI moves only the rest of the model;
     - ``detach``              parks the handle before a run, so a plain clone finds pristine host weights;
@@ -173,6 +174,13 @@ class GroupOffloadPatcher(ModelPatcher):
             for kind in ("weight", "bias"):
                 if hasattr(module, f"{kind}_function"):  # (emptied by the wipe)
                     getattr(module, f"{kind}_function").extend(self.weight_wrapper_patches.get(f"{name}.{kind}", []))
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        # A re-patch the loader's patcher forces at every load (newer ComfyUI-GGUF's) is passed by: it unpatches the
+        # model (unpatch_model), which gives the resident groups up, to redo nothing here (the blocks are never
+        # patched in place, the rest of the model loads whole, every weight patched). ComfyUI's own request stands
+        # (ModelSave's), and new patches still unpatch the model.
+        return ModelPatcher.partially_load(self, device_to, extra_memory, force_patch_weights=force_patch_weights)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self._release_handle_memory()
