@@ -134,3 +134,17 @@ def find_blocks(diffusion_model: nn.Module) -> list[nn.Module]:
     paths = block_list_paths(diffusion_model)
     return [block for path in paths for block in diffusion_model.get_submodule(path).children()]
 
+
+
+def refuse_weight_caches(diffusion_model: nn.Module) -> None:
+    """``ValueError`` for a block layer that keeps copies of its weights from call to call, as it declares with an
+    ``evict_quantized_caches`` method (ComfyUI-GGUF's Q4_CR layers keep a device copy of each packed weight, its
+    LoRA-patched weight too): a copy made from a streamed group's bytes would outlive the group, read after the
+    group's buffer held another group's bytes, or keep every layer's weight on the GPU."""
+    for path in block_list_paths(diffusion_model):
+        for name, module in diffusion_model.get_submodule(path).named_modules(prefix=path):
+            if callable(getattr(module, "evict_quantized_caches", None)):
+                raise ValueError(f"Group Offload cannot stream {name} ({type(module).__name__}): that layer keeps "
+                                 "copies of its weights from call to call (ComfyUI-GGUF's Q4_CR files), which would "
+                                 "outlive the streamed bytes they are made from. Run this model without Group "
+                                 "Offload, or use a GGUF file of another type (Q8_0, Q4_K_M...)")

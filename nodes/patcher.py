@@ -47,7 +47,7 @@ import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, check_offloadable, format_bytes, handle_of
-from .blocks import block_list_owners, block_list_paths, find_blocks
+from .blocks import block_list_owners, block_list_paths, find_blocks, refuse_weight_caches
 from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
                       warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
@@ -502,6 +502,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     """A clone of ``model`` that offloads its blocks; the input stays as it was."""
     settings.validate()
     check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
+    refuse_weight_caches(model.model.diffusion_model)
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
     clone.__class__ = _offload_class(type(clone))
     clone.offload_settings = settings

@@ -109,3 +109,21 @@ def test_a_deep_copy_of_the_dynamic_vram_loaders_model_loads_the_file_again(dyna
     assert type(deep) is type(offloaded) and deep.model is not offloaded.model
     assert loads == [False, True, True]
     assert torch.equal(sample(deep, kind), expected(kind))
+
+
+def test_a_layer_that_keeps_copies_of_its_weights_is_refused_naming_it(gguf_models):
+    """ComfyUI-GGUF's Q4_CR layers (``GGUFQ4W4A4Ops.Linear``, ops.py at 8e0d9cad) keep a device copy of their packed
+    weight from call to call, and declare it with ``evict_quantized_caches``: one block layer made such a layer."""
+    model = load_gguf("qwen_image")
+    layer = model.model.diffusion_model.transformer_blocks[1].attn.to_q
+
+    class CachingLinear(type(layer)):
+        def evict_quantized_caches(self) -> None:
+            self._quantized_weight = None
+
+    layer.__class__ = CachingLinear
+    with pytest.raises(ValueError, match=r"cannot stream transformer_blocks\.1\.attn\.to_q \(CachingLinear\): that "
+                                         r"layer keeps copies of its weights .* Q4_CR"):
+        offload(model)
+    layer.__class__ = CachingLinear.__mro__[1]
+    assert torch.equal(sample(offload(model), "qwen_image"), expected("qwen_image")), "the model as it was"
