@@ -266,9 +266,8 @@ def _replace(module: nn.Module, table: dict, attr: str, parts: list[torch.Tensor
         replaced = parts[0] if flat is None else flat.rebuild(parts)
         if table is module._parameters:
             replaced = nn.Parameter(replaced, requires_grad=tensor.requires_grad)
-    if table is module._parameters:
-        for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
-            replaced.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
+            for attribute, value in tensor.__dict__.items():  # what ComfyUI marked its weight with
+                replaced.__dict__.setdefault(attribute, value)  # (a quantized one's parts are its own)
     table[attr] = replaced
 
 
