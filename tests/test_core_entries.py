@@ -67,6 +67,28 @@ def test_parts_called_one_by_one_stream_bit_identically(device):
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_parts_called_one_by_one_are_stream_ordered(checker, prefetch):
+    """The runs the parts open and the end of the call closes, under the stream checker standing in for a CUDA
+    device: every copy into a slab ordered before the compute that reads it and after the last one that read
+    what it overwrites, half the groups resident."""
+    torch.manual_seed(0)
+    model = PartsNet(depth=6)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    half = sum(p.nbytes for p in model.blocks.parameters()) // 2
+    handle = apply_group_offload(model, list(model.blocks), "cpu", prefetch=prefetch, runtime=checker,
+                                 resident_bytes=half, learn_entries=True)
+    with torch.inference_mode():
+        for call in range(3):
+            assert torch.equal(offloaded_call(handle, model, x, watch=call == 0), reference(x))
+            if call == 0:
+                handle.settle_entries()
+    stats = handle.stats()
+    assert 0 < stats["resident_groups"] < stats["groups"] and stats["copies_h2d"] > 0 and stats["bytes_d2h"] == 0
+    handle.remove()
+
+
 def test_a_forward_block_keeps_no_inner_entry_once_settled():
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(3))
