@@ -54,9 +54,9 @@ def refuse_capture(runtime: Runtime | None) -> None:
     the first wait, and a replayed graph would redo none of those choices."""
     if runtime is not None and runtime.capturing():
         raise CaptureError("Group offloading cannot run inside a CUDA graph capture: it chooses at every call which "
-                           "weights to copy to the device and where, and a replayed graph would not. Capture the "
-                           "model without group offloading, or leave the capture to torch.compile (its CUDA graphs "
-                           "cover the compiled code between the offloading's hooks, which it leaves out)")
+                           "weights to copy to the device and where, and a replayed graph would not. Run the model "
+                           "without CUDA graphs (torch.compile without mode 'reduce-overhead', no torch.cuda.graph "
+                           "around it), or capture it without group offloading")
 
 
 class CudaRuntime:

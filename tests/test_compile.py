@@ -206,11 +206,11 @@ def test_cuda_graphs_are_refused_by_name(models, settings):  # noqa: F811
 
 @pytest.mark.cuda
 def test_cuda_graphs_of_compiled_blocks_replay_bit_identically_on_streamed_weights():
-    """torch.compile's CUDA graphs (mode "reduce-overhead") capture each compiled block between the offloading's
-    hooks, which it leaves out, and replay them; a block whose weights lie in another device buffer than at its
-    capture is captured again (torch's check of its static inputs' addresses), never replayed on stale
-    addresses. Every group streamed: the same outputs, call after call, as the model compiled the same way
-    without offloading."""
+    """Below the node (which refuses these modes: every step would record again), torch.compile's CUDA graphs
+    (mode "reduce-overhead") capture each compiled block between the offloading's hooks, which it leaves out; a
+    block whose weights lie in another device buffer than at its capture is recorded again (torch's check of its
+    static inputs' addresses, read in torch 2.14's cudagraph_trees.py), never replayed on stale addresses. Every
+    group streamed: the same outputs, call after call, as the model compiled the same way without offloading."""
     reference, offloaded, x = make_pair("cuda")
     handle = apply_group_offload(offloaded, offloaded.blocks, "cuda", prefetch=1)
     for model in (reference, offloaded):
