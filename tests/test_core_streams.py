@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import CudaHostRegister, apply_group_offload
+from offload_core import CaptureError, CudaHostRegister, apply_group_offload
 from offload_core.mirror import HOST_REGISTER_PORTABLE
-from offload_core.runtime import CaptureError, CudaRuntime
+from offload_core.runtime import CudaRuntime
 from stream_checker import COMPUTE, HOST, WORKER, StreamChecker
 from test_core_engine import make_pair
 
