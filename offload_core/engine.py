@@ -162,8 +162,8 @@ class GroupOffloadHandle(GroupHooks):
         kernel's LRU drops each page shortly before it is read again, and every step reads all of them from
         the disk. Instead, the first ones that fit (``hostmem.groups_kept_cached``) stay cached and the
         others' pages are released after each of their gathers, so that a step reads only those again. Room
-        is left for the ones in flight: the group being gathered and, where the gather worker reads the next
-        ones ahead (a CUDA device), those (``prefetch``). A resident group is gathered once per load: its pages
+        is left for the ones in flight: the group being gathered and, where the disk reads the next ones ahead
+        (a CUDA device), those (the lookahead in effect). A resident group is gathered once per load: its pages
         are released then too.
         """
         in_place = [g for g in self.groups if not g.mirror.packed]
@@ -171,8 +171,7 @@ class GroupOffloadHandle(GroupHooks):
         if room is None or sum(streamed) <= max(0, room):
             kept = [True] * len(in_place)
         else:
-            read_ahead = self.prefetch if self._transfers.runtime is not None else 0
-            in_flight = (1 + read_ahead) * max(streamed)
+            in_flight = (1 + self._transfers.read_ahead_groups) * max(streamed)
             cached = iter(groups_kept_cached(streamed, room - in_flight))
             kept = [not g.resident and next(cached) for g in in_place]
         for group, stays in zip(in_place, kept):
