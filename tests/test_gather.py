@@ -235,3 +235,32 @@ def test_the_disk_reads_ahead_as_many_groups_as_the_measured_rates_ask(tmp_path,
         assert ahead == [(gathered_group + k) % groups for k in range(1, expected + 1)], log
     assert handle.stats()["read_ahead"] == expected
     handle.remove()
+
+
+def test_a_gather_releases_the_pages_past_the_bytes_kept_cached(tmp_path: Path, monkeypatch):
+    """A group whose leading bytes stay cached: once it is copied, its pages past ``cached_bytes`` are released,
+    the tensor the boundary falls in from the first page past it. Bit-identical."""
+    from offload_core.hostmem import FilePages
+
+    sizes = [3 * 4096, 5 * 4096, 2 * 4096]
+    path = tmp_path / "group.bin"
+    path.write_bytes(random_bytes((sum(sizes),), torch.uint8, 7).numpy().tobytes())
+    mapped, views, offset = map_file(path), [], 0
+    for size in sizes:
+        views.append(mapped[offset : offset + size])
+        offset += size
+    segments, nbytes = pack_layout(views)
+    mirror = InPlaceMirror(segments, nbytes, views, FileMappings(), SourceFiles())
+    mirror.cached_bytes = 4 * 4096 + 100  # the first tensor, and a page and 100 bytes of the second
+    log: list[tuple[str, int, int]] = []
+    index = {view.data_ptr(): i for i, view in enumerate(views)}
+    monkeypatch.setattr(FilePages, "release", lambda pages, view, skip=0: log.append(("release", index[view.data_ptr()], skip)))
+
+    def copy(target: torch.Tensor, source: torch.Tensor) -> None:
+        log.append(("copy", index[source.data_ptr()], 0))
+        target.copy_(source)
+
+    target = torch.zeros(nbytes, dtype=torch.uint8)
+    mirror.gather_into(target, copy)
+    assert log == [("copy", 0, 0), ("copy", 1, 0), ("copy", 2, 0), ("release", 1, 4096 + 100), ("release", 2, 0)]
+    assert all(torch.equal(into, view) for into, view in zip(segment_views(target, segments), views))
