@@ -28,7 +28,8 @@ the GPU, when it runs out (``offload_core.call_backing_off``): a group's forward
 part-way, and the same call computes the same output. The fallback holds for the rest of the run.
 
 The rooms beside this one: ``handles.py`` (the handle's life in ComfyUI), ``lora.py`` (patches on the
-device), ``memory.py`` (the byte budget), ``settings.py`` (the node's inputs).
+device), ``memory.py`` (the byte budget), ``settings.py`` (the node's inputs), ``model_state.py`` (what is kept
+per model).
 """
 from __future__ import annotations
 
