@@ -3,7 +3,8 @@ handle it returns (stats, the residency plan, back-off, parking, pins, removal).
 
 The rooms behind the face, each importing only those below it:
 
-- ``hooks.py``: what entering and leaving a group does, and the wrappers on the blocks' methods;
+- ``hooks.py``: what entering and leaving a group does, and the wrappers on the blocks' methods (the handle
+  holds its ``GroupHooks`` and asks them through their public methods);
 - ``schedule.py``: which streamed groups to copy ahead of which (group indices, no tensors, no streams);
 - ``transfers.py``: the copies into device buffers, the gather worker, the waits and the stream rules;
 - ``onload_patch.py``: the device-side patch (a LoRA) applied after each copy;
