@@ -61,6 +61,7 @@ class GroupOffloadHandle:
         self.config = config
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
+        self._runtime = runtime  # None: the device is the host
         pinner = choose_pinner(config.pin_memory, pinner, config.onload_device, runtime)
         groups, self._sources = build_groups(model, blocks, config.blocks_per_group, resident_bytes, host_budget,
                                              fill, progress)
@@ -192,7 +193,7 @@ class GroupOffloadHandle:
         if room is None or sum(streamed) <= max(0, room):
             kept = [True] * len(in_place)
         else:
-            read_ahead = self.prefetch if self._transfers.runtime is not None else 0
+            read_ahead = self.prefetch if self._runtime is not None else 0
             in_flight = (1 + read_ahead) * max(streamed)
             cached = iter(groups_kept_cached(streamed, room - in_flight))
             kept = [not g.resident and next(cached) for g in in_place]
@@ -247,9 +248,9 @@ class GroupOffloadHandle:
         """Give the device memory that nothing holds any longer back to the driver: after a call
         that ran out of it, once its tensors are gone (a collection frees those that only reference
         cycles of its traceback's frames still hold)."""
-        if self._transfers.runtime is not None:
+        if self._runtime is not None:
             gc.collect()
-            self._transfers.runtime.empty_cache()
+            self._runtime.empty_cache()
 
     def residency(self) -> Residency:
         """The plan in effect."""
