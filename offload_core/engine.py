@@ -3,7 +3,8 @@ handle it returns (stats, the residency plan, back-off, parking, pins, removal).
 
 The rooms behind the face, each importing only those below it:
 
-- ``hooks.py``: what entering and leaving a group does, and the wrappers on the blocks' methods;
+- ``hooks.py``: what entering and leaving a group does, and the wrappers on the blocks' methods (the handle
+  holds its ``GroupHooks`` and asks them through their public methods);
 - ``schedule.py``: which streamed groups to copy ahead of which (group indices, no tensors, no streams);
 - ``transfers.py``: the copies into device buffers, the gather worker, the waits and the stream rules;
 - ``onload_patch.py``: the device-side patch (a LoRA) applied after each copy;
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from .grouping import OffloadConfig, build_groups, check_host_budget, check_resident_bytes
-from .group import FillFn
+from .group import FillFn, ModuleGroup
 from .hooks import GroupHooks
 from .hostmem import bytes_kept_cached
 from .ledger import TransferLedger
@@ -51,7 +52,7 @@ class GroupSnapshot:
     pinned: bool  # that host copy is page-locked
 
 
-class GroupOffloadHandle(GroupHooks):
+class GroupOffloadHandle:
     """Owns the groups, hooks, schedule and transfers of one ``apply_group_offload`` call."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, resident_bytes: int,
@@ -60,14 +61,17 @@ class GroupOffloadHandle(GroupHooks):
         self.config = config
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
+        self._runtime = runtime  # None: the device is the host
         pinner = choose_pinner(config.pin_memory, pinner, config.onload_device, runtime)
         groups, self._sources = build_groups(model, blocks, config.blocks_per_group, resident_bytes, host_budget,
                                              fill, progress)
+        self.groups = groups
         self._patch = OnloadPatch()
-        transfers = Transfers(groups, config.onload_device, runtime, pinner, self._patch)
-        self._pins, self._slabs = transfers.pins, transfers.slabs
-        super().__init__(groups, Schedule(len(groups), config.prefetch), transfers, config.entry_methods,
-                         learn_entries)
+        self._transfers = Transfers(groups, config.onload_device, runtime, pinner, self._patch)
+        self._pins, self._slabs = self._transfers.pins, self._transfers.slabs
+        self._schedule = Schedule(len(groups), config.prefetch)
+        self._hooks = GroupHooks(groups, self._schedule, self._transfers, config.entry_methods, learn_entries,
+                                 owner=self)
         for block in blocks:
             _MANAGED[block] = weakref.ref(self)
         self.set_resident_bytes(resident_bytes)
@@ -75,6 +79,24 @@ class GroupOffloadHandle(GroupHooks):
     @property
     def ledger(self) -> TransferLedger:
         return self._transfers.ledger
+
+    @property
+    def busy(self) -> bool:
+        """Whether the hooks are entering or leaving a group now (their own uses of its tensors: ``watch.py``)."""
+        return self._hooks.busy
+
+    def is_open(self, group: ModuleGroup) -> bool:
+        """Whether ``group``'s tensors may be used now: one of its entries runs, or its run is open."""
+        return self._hooks.is_open(group)
+
+    def close_open_groups(self) -> None:
+        """At the end of a model call: close the runs no call of a block ends (``GroupHooks.close_open_groups``)."""
+        self._hooks.close_open_groups()
+
+    def settle_entries(self) -> list[str]:
+        """After a model call that ran blocks: keep only the part entries that opened a use of their group
+        (``GroupHooks.settle_entries``); the names of those kept."""
+        return self._hooks.settle_entries()
 
     @property
     def prefetch(self) -> int:
@@ -120,7 +142,7 @@ class GroupOffloadHandle(GroupHooks):
         return [binding.current() for group in self.groups for binding in group.bindings]
 
     def reset_stats(self) -> None:
-        self._transfers.ledger = TransferLedger()
+        self._transfers.reset_ledger()
 
     def check_sources(self) -> None:
         """Before a run, each model call and any read of the host weights: ``SourceChangedError`` if a file that
@@ -225,9 +247,9 @@ class GroupOffloadHandle(GroupHooks):
         """Give the device memory that nothing holds any longer back to the driver: after a call
         that ran out of it, once its tensors are gone (a collection frees those that only reference
         cycles of its traceback's frames still hold)."""
-        if self._transfers.runtime is not None:
+        if self._runtime is not None:
             gc.collect()
-            self._transfers.runtime.empty_cache()
+            self._runtime.empty_cache()
 
     def residency(self) -> Residency:
         """The plan in effect."""
@@ -273,7 +295,7 @@ class GroupOffloadHandle(GroupHooks):
         """Copy the resident groups onto the device now instead of at their first use."""
         for group in self.groups:
             if group.resident and not group.onloaded:
-                self._onload(group, prefetched=False)
+                self._hooks.onload(group)
 
     def park(self) -> None:
         """Point every module at its host mirror without giving up the device copies.
@@ -284,7 +306,7 @@ class GroupOffloadHandle(GroupHooks):
         for group in self.groups:
             if group.onloaded:
                 group.park()
-        self._active.clear()
+        self._hooks.forget_open_runs()
 
     def holds_device_memory(self) -> bool:
         """Whether a group or a streaming buffer is on the device (with prefetch 0 a free buffer stays between runs)."""
@@ -312,15 +334,13 @@ class GroupOffloadHandle(GroupHooks):
         self._transfers.queue_staged_copies()
         self._pins.drop_staging()
         self._forget_slabs()
-        self._wrappers.remove()
-        if self._parts is not None:
-            self._parts.remove()
+        self._hooks.remove()
 
     def _finish_copies(self) -> None:
         self._transfers.finish_copies()
 
     def _forget_slabs(self) -> None:
-        self._active.clear()
+        self._hooks.forget_open_runs()
         self._slabs.forget()
 
 

@@ -37,13 +37,19 @@ LeaveFn = Callable[..., None]
 
 
 class GroupHooks:
-    """Enter and leave for the groups of one handle (``GroupOffloadHandle`` is one, with its public face)."""
+    """Enter and leave for the groups of one handle, which holds them (``GroupOffloadHandle``).
+
+    The wrappers on the blocks' methods hold the hooks, and the hooks their ``owner`` until ``remove()``: it
+    lives exactly as long as its blocks can be reached, or until then. They ask ``schedule`` which groups follow
+    which and tell ``transfers`` what to copy, wait for and free, through those classes' own methods.
+    """
 
     def __init__(self, groups: list[ModuleGroup], schedule: Schedule, transfers: Transfers,
-                 entry_methods: tuple[str, ...], learn_entries: bool = False) -> None:
+                 entry_methods: tuple[str, ...], learn_entries: bool, owner: object) -> None:
         self.groups = groups
         self._schedule = schedule
         self._transfers = transfers
+        self._owner: object | None = owner  # (held, not used: see above)
         self._active: set[int] = set()  # the groups whose run is open
         self.busy = False  # in ``_enter`` / ``_leave``: their own uses of the groups' tensors (see ``watch.py``)
         self._wrappers = EntryWrappers(entry_methods)
@@ -52,6 +58,22 @@ class GroupHooks:
             self._wrappers.wrap(group, self._enter, self._leave)
             if self._parts is not None:
                 self._parts.wrap(group, self._enter, self._leave)
+
+    def onload(self, group: ModuleGroup) -> None:
+        """Copy ``group`` onto the device now rather than at its first use (a resident group, at a load)."""
+        self._onload(group, prefetched=False)
+
+    def forget_open_runs(self) -> None:
+        """No run of a group is open any longer: the groups left the device or were parked outside a model call."""
+        self._active.clear()
+
+    def remove(self) -> None:
+        """The blocks' methods back to their own (the caller has taken the groups off the device); the owner is
+        let go."""
+        self._owner = None
+        self._wrappers.remove()
+        if self._parts is not None:
+            self._parts.remove()
 
     def is_open(self, group: ModuleGroup) -> bool:
         """Whether ``group``'s tensors may be used now: one of its entries runs, or its run is open."""
@@ -93,13 +115,13 @@ class GroupHooks:
         elif group.parked:
             group.unpark()
         if group.pending is not None:
-            self._take_ready(group)
+            self._transfers.take_ready(group)  # the host waits for the worker to queue its staged copy
         if group.ready is not None:
             self._transfers.wait_for(group)
         self._transfers.run_starts(group)
         self._active.add(group.index)
         self._prefetch_after(group, pageable=False)
-        self._transfers.ledger.record_hook(time.perf_counter() - started, entered=True)
+        self._transfers.record_hook(time.perf_counter() - started, entered=True)
 
     @torch.compiler.disable
     def _leave(self, group: ModuleGroup, close: bool, failed: bool = False) -> None:
@@ -113,13 +135,9 @@ class GroupHooks:
             if close:
                 started = time.perf_counter()
                 self._close(group)
-                self._transfers.ledger.record_hook(time.perf_counter() - started, entered=False)
+                self._transfers.record_hook(time.perf_counter() - started, entered=False)
         finally:
             self.busy = False
-
-    def _take_ready(self, group: ModuleGroup) -> None:
-        """The host waits for the worker to queue ``group``'s staged copy (``Transfers.take_ready``)."""
-        self._transfers.take_ready(group)
 
     def _close(self, group: ModuleGroup) -> None:
         self._active.discard(group.index)
@@ -161,7 +179,7 @@ class GroupHooks:
 
     def _slab_free(self) -> bool:
         """Whether a slab is free, or another may be made within the prefetch depth in effect."""
-        return self._transfers.slabs.can_take(self._schedule.prefetch)
+        return self._transfers.slab_free(self._schedule.prefetch)
 
 
 
@@ -181,7 +199,7 @@ class EntryWrappers:
         """Wrap each entry method of ``group``'s blocks to call ``enter`` and ``leave`` around it. Of several
         entry methods, all but the last one open a visit of a block (in the group's first block: a run of
         the group) and the last one ends it (in its last block). Only the wrappers hold ``enter`` and
-        ``leave`` (the handle): once removed, nothing here keeps the handle alive."""
+        ``leave`` (the hooks, and through them their handle): once removed, nothing here keeps the handle alive."""
         names = self._names
         opening = names[:-1] or names
         for block in group.blocks:

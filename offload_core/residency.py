@@ -1,6 +1,7 @@
 """Which groups stay on the device: as many bytes as the budget holds, streamed ones spread out."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .slabs import slabs_for
@@ -9,6 +10,9 @@ from .slabs import slabs_for
 PRECISION = 0.01
 #: Share of the budget the plan may leave unused to spread the streamed groups more evenly.
 SPREAD_ALLOWANCE = 0.04
+
+#: Plans remembered (``plan_residency``): a few models' worth of budgets, a few hundred bytes each.
+PLANS_REMEMBERED = 64
 
 #: A partial plan: (resident bytes, unevenness so far, bit mask of the resident groups).
 _Plan = tuple[int, float, int]
@@ -25,17 +29,25 @@ def plan_residency(group_bytes: list[int], budget: int) -> list[bool]:
     has resident compute around it to hide under instead of the copies piling up together.
     Unevenness is the sum, over the groups, of the squared gap between the bytes kept resident up
     to and including that group and the budget's share of the bytes up to there.
+
+    Planned once for each ``group_bytes`` and ``budget``: a model's build (its host copies, the groups it
+    pins), its loads and its size asked again and again get that plan, remembered; another budget (a
+    load's memory free, an out-of-memory back-off's) plans afresh.
     """
-    total = sum(group_bytes)
-    if budget >= total:
-        return [True] * len(group_bytes)
+    return list(_planned(tuple(group_bytes), budget))
+
+
+@functools.lru_cache(maxsize=PLANS_REMEMBERED)
+def _planned(group_bytes: tuple[int, ...], budget: int) -> tuple[bool, ...]:
+    if budget >= sum(group_bytes):
+        return (True,) * len(group_bytes)
     plans = _plans_by_resident_bytes(group_bytes, budget)
     good_enough = max(resident for resident, _, _ in plans) - SPREAD_ALLOWANCE * budget
     _, _, mask = min((p for p in plans if p[0] >= good_enough), key=lambda p: (p[1], -p[0]))
-    return [bool(mask >> i & 1) for i in range(len(group_bytes))]
+    return tuple(bool(mask >> i & 1) for i in range(len(group_bytes)))
 
 
-def _plans_by_resident_bytes(group_bytes: list[int], budget: int) -> list[_Plan]:
+def _plans_by_resident_bytes(group_bytes: tuple[int, ...], budget: int) -> list[_Plan]:
     """Complete plans within ``budget``: a dynamic programme over the groups in order that keeps,
     per bucket of resident bytes, the plan with the smallest sum and the most even one.
 

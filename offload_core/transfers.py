@@ -107,6 +107,19 @@ class Transfers:
         else:
             self.ledger.sync_onloads += 1
 
+    def slab_free(self, prefetch: int) -> bool:
+        """Whether a streamed group may be copied now: a slab is free, or another may be made within what
+        ``prefetch`` needs."""
+        return self.slabs.can_take(prefetch)
+
+    def record_hook(self, seconds: float, entered: bool) -> None:
+        """The hooks' time around one group's run, in the ledger (``TransferLedger.record_hook``)."""
+        self.ledger.record_hook(seconds, entered)
+
+    def reset_ledger(self) -> None:
+        """Count from zero again (``GroupOffloadHandle.reset_stats``)."""
+        self.ledger = TransferLedger()
+
     def staged(self, group: ModuleGroup) -> bool:
         """Whether ``group`` reaches the device through the staging ring, where there is one: every group but a
         pinned packed one (kept in place, pinning refused, or resident: a resident group is never pinned)."""

@@ -8,13 +8,12 @@ that function runs. Outside those calls it costs nothing.
 """
 from __future__ import annotations
 
+from typing import Callable, Protocol
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-from typing import Callable
-
 from .group import ModuleGroup
-from .hooks import GroupHooks
 
 
 class OutsideUseError(RuntimeError):
@@ -25,11 +24,22 @@ class OutsideUseError(RuntimeError):
         self.qualname = qualname
 
 
+class OpenGroups(Protocol):
+    """What the watch asks of a handle (or of its ``GroupHooks``)."""
+
+    groups: list[ModuleGroup]
+
+    @property
+    def busy(self) -> bool: ...
+
+    def is_open(self, group: ModuleGroup) -> bool: ...
+
+
 class OutsideUseWatch(TorchFunctionMode):
     """Raises ``OutsideUseError`` at a torch function given a tensor of a group of ``hooks`` that is not open;
     ``message(qualname)`` words it."""
 
-    def __init__(self, hooks: GroupHooks, message: Callable[[str], str]) -> None:
+    def __init__(self, hooks: OpenGroups, message: Callable[[str], str]) -> None:
         super().__init__()
         self._hooks = hooks
         self._message = message

@@ -146,10 +146,10 @@ def test_the_host_waits_for_the_worker_before_the_compute_reads_its_copy(tmp_pat
     def without_waiting(group, raising=True):  # the event the worker may not have recorded yet: waiting on it is a no-op
         group.pending, group.ready = None, stream_checker.new_event()
 
-    handle._take_ready = without_waiting
+    handle._transfers.take_ready = without_waiting
     with torch.inference_mode(), pytest.raises(RaceError, match="on stream compute"):
         offloaded(x)
-    del handle._take_ready
+    del handle._transfers.take_ready
     handle.remove()
 
 

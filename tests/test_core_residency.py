@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from collections import Counter
+from typing import Callable
 
 import pytest
+import torch
 
-from offload_core import plan_residency
+from offload_core import apply_group_offload, plan_residency
+from offload_core import residency
 from offload_core.residency import PRECISION, SPREAD_ALLOWANCE
+from test_core_engine import make_pair
 
 BOUND = PRECISION + SPREAD_ALLOWANCE  # plan_residency's docstring: at most 5 % of the budget below the best
 
@@ -107,3 +112,46 @@ def test_large_groups_of_different_sizes_use_the_budget():
     budget = sum(group_bytes) // 2
     kept = resident_bytes(group_bytes, plan_residency(group_bytes, budget))
     assert kept == best_possible(group_bytes, budget) >= 0.92 * budget
+
+
+def plannings(call: Callable[[], object], search=residency._plans_by_resident_bytes) -> list[tuple[list[int], int]]:
+    """The residency plans ``call`` makes, as (group bytes, budget): each time ``search``, the planner's search
+    over the plans, runs (the pack's own module where ComfyUI loaded it, for a node's build)."""
+    runs = []
+    code = search.__code__
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            runs.append((list(frame.f_locals["group_bytes"]), frame.f_locals["budget"]))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return runs
+
+
+def test_a_build_plans_residency_once_and_a_new_budget_plans_afresh():
+    """The build plans the host copies (a host budget) and the groups it pins for the same budget: one plan;
+    a load with that budget again reuses it; another budget, or a back-off's, plans anew, and the first
+    budget gets its plan back."""
+    _, offloaded, x = make_pair("cpu", depth=9)  # (sizes and budgets no other test plans: nothing remembered)
+    group = sum(t.numel() * t.element_size() for t in offloaded.blocks[0].state_dict().values())
+    budget, smaller = 5 * group + 3, 2 * group + 3
+    built = []
+    runs = plannings(lambda: built.append(apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1,
+                                                              resident_bytes=budget, host_budget=10**9)))
+    handle = built.pop()
+    assert runs == [([g.nbytes for g in handle.groups], budget)], "the host copies and the pins: one plan"
+    first = [g.resident for g in handle.groups]
+    assert plannings(lambda: handle.set_resident_bytes(budget)) == [], "a load with the build's budget"
+    assert [g.resident for g in handle.groups] == first
+    assert len(plannings(lambda: handle.set_resident_bytes(smaller))) == 1
+    assert [g.resident for g in handle.groups] != first
+    assert len(plannings(handle.back_off)) == 1 and handle.backed_off
+    assert plannings(lambda: handle.set_resident_bytes(budget)) == []
+    assert [g.resident for g in handle.groups] == first == plan_residency([g.nbytes for g in handle.groups], budget)
+    with torch.inference_mode():
+        offloaded(x)
+    handle.remove()

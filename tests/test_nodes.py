@@ -8,6 +8,7 @@ import fixture_models
 from run_nodes import run_node, run_txt2img
 from lora_fixture import make_lora
 from pack_modules import pack_module
+from test_core_residency import plannings
 
 FOUR_BLOCKS = "tiny_qwen_image_4_blocks.safetensors"
 LORA = "tiny_qwen_lora.safetensors"
@@ -219,3 +220,13 @@ def test_fixed_plans_ask_comfyui_only_for_what_they_use(models):
     handle = offload_handle(model)
     assert model.model_size() == plain_size - raw_block_bytes(model) + 2 * handle.groups[0].nbytes  # two slabs
     assert model.loaded_size() == model.model_size()
+
+
+def test_a_build_through_the_node_plans_its_groups_once(models):
+    """A model offloaded with a resident budget, built and loaded by its first run (ComfyUI asks its size on the
+    way): its groups are planned once for that budget, for the build's host copies and pins and for the load."""
+    model = offload(load_plain(), residency="budget", resident_gb=0.00029)  # (a budget no other test plans)
+    search = pack_module("offload_core").residency._plans_by_resident_bytes
+    runs = plannings(lambda: run_txt2img(model, seed=7, steps=2), search)
+    sizes = [g.nbytes for g in offload_handle(model).groups]
+    assert [budget for group_bytes, budget in runs if group_bytes == sizes] == [int(0.00029 * 2**30)]
