@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from comfy.model_patcher import ModelPatcher
 
     from ..offload_core import GroupOffloadHandle
-    from .telemetry import RunTelemetry
 
 
 @dataclass(eq=False)
@@ -49,8 +48,9 @@ class ModelState:
     # --- the sampling run (memory.py, telemetry.py) ---
     #: ComfyUI's estimate of the device memory the forwards of the last sampling run hold (None: no run yet)
     run_activations: int | None = None
-    #: the run in progress: its telemetry, from ``pre_run`` to ``cleanup``
-    run: "RunTelemetry | None" = None
+    #: the run in progress: its telemetry (a ``telemetry.RunTelemetry``, which reads this module), from ``pre_run``
+    #: to ``cleanup``
+    run: Any = None
     #: the final figures of the last run
     last_run: dict[str, Any] | None = None
 
