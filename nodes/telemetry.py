@@ -114,6 +114,7 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "gathered_from_disk_bytes": stats["gathered_from_disk_bytes"],
         "gathered_bytes_per_step": gathered / len(steps) if steps else 0.0,
         "gather_gbps": stats["gathered_bytes"] / stats["gather_seconds"] / 1e9 if stats["gather_seconds"] > 0 else 0.0,
+        "read_ahead": stats["read_ahead"],
     }
 
 

@@ -343,6 +343,7 @@ def test_the_report_shows_the_groups_left_in_place(browser_page: BrowserPage, co
     assert rows["gathered_bytes_per_step"][0] == "Gathered per step"
     assert re.fullmatch(size, rows["gathered_bytes_per_step"][1])
     assert rows["gather_gbps"][0] == "Gather rate" and re.fullmatch(r"\d+(\.\d+)? (MB|GB)/s", rows["gather_gbps"][1])
+    assert rows["read_ahead"] == ["Read ahead", "0 groups"]  # on the CPU nothing is read ahead
     assert rows["gathered_from_disk_bytes"][0] == "Gathered from disk"
     assert re.fullmatch(rf"0 B of {size}", rows["gathered_from_disk_bytes"][1])
     _finish(browser_page.page, browser_page.console, ARTIFACTS / "group_offload_in_place.png", started)

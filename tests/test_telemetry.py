@@ -27,7 +27,7 @@ FRONT_END_FIELDS = {
     "compute_wait_ms", "hook_us_per_group", "formats", "host_dequantized_bytes_per_pass", "steps", "bytes_per_step",
     "h2d_gbps", "step_gbps", "packed_bytes", "in_place_bytes", "file_backed_bytes", "kept_cached_bytes", "host_limit",
     "gathered_bytes",
-    "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps",
+    "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps", "read_ahead",
 }
 
 
@@ -114,6 +114,7 @@ def _stats(**overrides) -> dict:
         "pinned_bytes": 3_000_000_000, "prefetch": 1, "back_offs": 2, "packed_bytes": 4_000_000_000,
         "in_place_bytes": 1_000_000_000, "file_backed_bytes": 800_000_000, "kept_cached_bytes": 600_000_000, "gathers": 6,
         "gathered_bytes": 2_000_000_000, "gathered_from_disk_bytes": 500_000_000, "gather_seconds": 0.25,
+        "read_ahead": 2,
     }
     return {**stats, **overrides}
 
@@ -145,6 +146,7 @@ def test_payload_has_the_fields_the_front_end_reads(telemetry):
     assert (payload["gathered_bytes"], payload["gathered_from_disk_bytes"]) == (2_000_000_000, 500_000_000)
     assert payload["gathered_bytes_per_step"] == 1_000_000_000  # of the steps' own gathers
     assert payload["gather_gbps"] == pytest.approx(2.0 / 0.25)  # over the gather time, not the steps'
+    assert payload["read_ahead"] == 2  # the engine's lookahead, as it reports it
 
 
 def test_payload_before_any_step_and_with_many_steps(telemetry):

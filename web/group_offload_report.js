@@ -87,6 +87,7 @@ function inPlaceRows(stats) {
     ["kept_cached_bytes", "Kept in the page cache", formatBytes(stats.kept_cached_bytes)],
     ["gathered_bytes_per_step", "Gathered per step", formatBytes(stats.gathered_bytes_per_step)],
     ["gather_gbps", "Gather rate", formatRate(stats.gather_gbps)],
+    ["read_ahead", "Read ahead", `${stats.read_ahead ?? 0} ${stats.read_ahead === 1 ? "group" : "groups"}`],
     ["gathered_from_disk_bytes", "Gathered from disk", `${formatBytes(stats.gathered_from_disk_bytes)} of ${formatBytes(gathered)}`],
   ];
 }
