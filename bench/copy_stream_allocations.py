@@ -13,11 +13,11 @@ import logging
 import tempfile
 from pathlib import Path
 
-import bench_paths  # noqa: F401  (tests/ and the repository root on sys.path)
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 import torch
 
-from stream_checker import StreamChecker
-from test_core_patch_stream import PATCHED, LowRankPatch, offloaded_on_a_route
+from testbed.stream_checker import StreamChecker
+from testbed.core_faults import PATCHED, LowRankPatch, offloaded_on_a_route
 
 log = logging.getLogger("copy_stream_allocations")
 

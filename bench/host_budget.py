@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-import bench_paths  # noqa: F401  (puts tests/ and the repository root on sys.path)
-from comfy_boot import comfyui_path, comfyui_version
-from fixture_models import ModelDir, tiny_qwen_image_file
-from host_budget_driver import DROP_CACHES, run_in_fresh_process
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
+from testbed.comfy_boot import comfyui_path, comfyui_version
+from testbed.fixture_models import ModelDir, tiny_qwen_image_file
+from testbed.host_budget_driver import DROP_CACHES, run_in_fresh_process
 from reporting import fmt, markdown_table, replace_section
-from test_host_budget import GiB, MODEL, UNET_NAME
+from testbed.host_budget_driver import GiB, MODEL, UNET_NAME
 
 log = logging.getLogger("host_budget")
 

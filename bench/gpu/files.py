@@ -70,7 +70,7 @@ def write_safetensors(path: Path, config: BenchConfig, dtype: torch.dtype) -> di
 
 def _gguf_tensors(config: BenchConfig, qtype: object) -> Iterator[tuple[str, torch.Size, object]]:
     """Each tensor's name, shape and stored type, as ComfyUI-GGUF's converter decides (tests/gguf_files)."""
-    from gguf_files import QType, keeps_full_precision
+    from testbed.gguf_files import QType, keeps_full_precision
 
     for name, shape in comfy_qwen_shapes(config).items():
         yield name, shape, QType.F32 if keeps_full_precision(name, torch.empty(shape, device="meta")) else qtype
@@ -78,7 +78,7 @@ def _gguf_tensors(config: BenchConfig, qtype: object) -> Iterator[tuple[str, tor
 
 def _block_pool(qtype: object) -> np.ndarray:
     """Encoded blocks of ``qtype`` for ``_POOL_ROWS`` rows of 256 seeded values, flat bytes."""
-    from gguf_files import encode
+    from testbed.gguf_files import encode
 
     values = torch.randn(_POOL_ROWS, 256, generator=torch.Generator().manual_seed(0)) * 0.02
     return np.ascontiguousarray(encode(values, qtype, np.random.default_rng(0))[0]).reshape(-1)
