@@ -1,5 +1,5 @@
 """Allocations made while the copy stream was current, per step, with a low-rank patch on three weights
-(issue 32, item 3), counted by the stream checker (``tests/stream_checker.py``'s ``allocations_on``): no GPU needed.
+(issue 32, item 3), counted by the stream checker (``testbed/stream_checker.py``'s ``allocations_on``): no GPU needed.
 
 Under cudaMallocAsync a block freed on the copy stream can be handed to the compute stream, which the driver then
 orders after the copy stream's later work; so the copy stream should allocate nothing.

@@ -1,7 +1,7 @@
 """Host budget (issue 23): a model bigger than the RAM it may take, on the CPU.
 
-The 458 MB float32 Qwen-Image-shaped model of ``tests/test_host_budget.py`` (12 blocks of 37.8 MB),
-loaded and sampled in a fresh process per configuration (``tests/host_budget_driver.py``): this pack's
+The 458 MB float32 Qwen-Image-shaped model of ``tests/bench/test_host_budget.py`` (12 blocks of 37.8 MB),
+loaded and sampled in a fresh process per configuration (``testbed/host_budget_driver.py``): this pack's
 loader (Load Diffusion Model (Group Offload)) at host budgets of 100, 50, 25 and 0 % of the model file,
 Load Diffusion Model + the Group Offload node at the same budgets, and plain ComfyUI (Load Diffusion
 Model, no offloading); every group streamed (``stream_all``, prefetch 1), 1 warm-up step and 6 timed

@@ -1,4 +1,4 @@
-"""Pins per sampling run (issue 32, item 2), counted by the CUDA stand-in (``tests/stream_checker.py``'s
+"""Pins per sampling run (issue 32, item 2), counted by the CUDA stand-in (``testbed/stream_checker.py``'s
 ``CheckedCudart``, a ``FakeCudart`` that records every successful call): no GPU needed.
 
 A run is what the nodes do per sampling run: ``handle.pin_streamed()`` (the patcher's ``pre_run``) and a

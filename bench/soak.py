@@ -10,7 +10,7 @@ first load.
 
     python3 bench/soak.py --runs 200      # writes the "Soak" section of BENCHMARKS.md
 
-``tests/test_soak.py`` runs a short soak through :func:`soak` in the suite.
+``tests/bench/test_soak.py`` runs a short soak through :func:`soak` in the suite.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ by where the bytes come from:
   from there on the copy stream (``staging.py``); the group's ``pending`` future yields the ``ready``
   event once the worker queued it.
 
-Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
+Stream choreography on CUDA (the only cross-stream ordering there is; ``testbed/stream_checker.py``
 proves it on every test run):
 
 - ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream waits

@@ -1,4 +1,5 @@
-"""The ComfyUI front end driven in Chromium (Playwright): a page on the live server, ready for the pack, and the workflows built and run in it."""
+"""The ComfyUI front end driven in Chromium (Playwright): a page on the live server, ready for the pack, and the
+workflows built and run in it."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -116,6 +117,12 @@ def _graph_before_initialization_error(text: str) -> bool:
 
 
 FRONTEND_RELEASE = ".".join(FRONTEND_VERSION.split(".")[:2])
+# The frontend's own start-up errors, by frontend release ("major.minor"): each is logged on every
+# page load, also with --disable-all-custom-nodes, so it says nothing about this pack.
+FRONTEND_STARTUP_ERRORS: dict[str, Callable[[str], bool]] = {
+    "1.32": _settings_onchange_error,
+    "1.49": _graph_before_initialization_error,
+}
 
 
 def _is_environmental(message: ConsoleMessage) -> bool:
@@ -432,11 +439,3 @@ def finish(page: Page, console: ConsoleLog, screenshot: Path, started: float) ->
         print("ignored console errors (see _is_environmental):\n  " + "\n  ".join(e.splitlines()[0] for e in console.ignored))
         console.ignored.clear()
     assert console.take_errors() == [], f"failed requests: {console.failed_requests}"
-
-
-# The frontend's own start-up errors, by frontend release ("major.minor"): each is logged on every
-# page load, also with --disable-all-custom-nodes, so it says nothing about this pack.
-FRONTEND_STARTUP_ERRORS: dict[str, Callable[[str], bool]] = {
-    "1.32": _settings_onchange_error,
-    "1.49": _graph_before_initialization_error,
-}

@@ -1,4 +1,5 @@
-"""Faults and patches injected into the core's models: out-of-memory inside a block, refused pins, failing and low-rank onload patches."""
+"""Faults and patches injected into the core's models: out-of-memory inside a block, refused pins, failing and low-
+rank onload patches."""
 from __future__ import annotations
 
 from collections import Counter

@@ -1,4 +1,5 @@
-"""Small pure-torch models for the core's tests, offloaded beside a plain twin: a stack of blocks, one mapped from a file, one with quantized weights."""
+"""Small pure-torch models for the core's tests, offloaded beside a plain twin: a stack of blocks, one mapped from a
+file, one with quantized weights."""
 from __future__ import annotations
 
 import copy

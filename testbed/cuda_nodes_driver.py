@@ -1,6 +1,6 @@
 """Samples plain and offloaded models in a ComfyUI started the way main.py starts it, and prints what it saw as JSON.
 
-Run by tests/test_cuda_nodes.py in its own process (``cuda_nodes_driver.py MODELS_BASE_DIR``), because
+Run by tests/nodes/test_cuda_nodes.py in its own process (``cuda_nodes_driver.py MODELS_BASE_DIR``), because
 Dynamic VRAM must be switched on as main.py does it, before ComfyUI imports its modules: comfy-aimdo's
 library loaded first, then its devices initialised and ``ModelPatcherDynamic`` installed as the class
 every loader returns. On a GPU that is what runs; under ``--cpu`` main.py leaves Dynamic VRAM off, and so

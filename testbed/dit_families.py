@@ -1,4 +1,5 @@
-"""Tiny models of every diffusion-transformer family ComfyUI supports (``MODELS``), built by ComfyUI itself from its own configs with seeded weights, and saved as files in ComfyUI's keys."""
+"""Tiny models of every diffusion-transformer family ComfyUI supports (``MODELS``), built by ComfyUI itself from its
+own configs with seeded weights, and saved as files in ComfyUI's keys."""
 from __future__ import annotations
 
 import dataclasses

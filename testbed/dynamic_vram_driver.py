@@ -1,6 +1,6 @@
 """Runs the Group Offload node on real ``ModelPatcherDynamic`` patchers and prints what it saw, as JSON.
 
-Run by tests/test_dynamic_vram.py in its own process, because ComfyUI must start the way main.py
+Run by tests/nodes/test_dynamic_vram.py in its own process, because ComfyUI must start the way main.py
 starts it with Dynamic VRAM on: comfy-aimdo's library loaded before ComfyUI imports its modules, and
 ``ModelPatcherDynamic`` installed as the class every loader returns. Only the load device differs:
 ModelPatcherDynamic hands CPU models a plain patcher, so the models here name the meta device as

@@ -1,4 +1,5 @@
-"""ComfyUI-GGUF's tiny models through the nodes: a GGUF file of every type per model and a LoRA (the ``gguf_models`` fixture), loaded, offloaded and sampled, and the latents without the node."""
+"""ComfyUI-GGUF's tiny models through the nodes: a GGUF file of every type per model and a LoRA (the ``gguf_models``
+fixture), loaded, offloaded and sampled, and the latents without the node."""
 from __future__ import annotations
 
 import pytest

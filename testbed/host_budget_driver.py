@@ -1,6 +1,6 @@
 """Loads one model in this fresh process, samples it, and prints what host memory it took, as JSON.
 
-Run by tests/test_host_budget.py, one process per measurement, so that each starts from the same
+Run by tests/bench/test_host_budget.py, one process per measurement, so that each starts from the same
 anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 
 - ``models``: a ComfyUI base folder with ``models/diffusion_models`` (see ``fixture_models.ModelDir``);
@@ -9,7 +9,7 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
   (``via`` ``plain`` or ``node``);
 - ``via``: ``plain`` (Load Diffusion Model), ``node`` (Load Diffusion Model, then Group Offload) or
   ``loader`` (Load Diffusion Model (Group Offload));
-- ``offload``: the offload node's inputs beside ``test_nodes.OFFLOAD_DEFAULTS`` (``host_memory``, ``host_gb``);
+- ``offload``: the offload node's inputs beside ``node_runs.OFFLOAD_DEFAULTS`` (``host_memory``, ``host_gb``);
 - ``latent``: where to save the sampled latent (``torch.save``);
 - ``steps`` (optional, 3 by default): the sampling steps;
 - ``evict`` (optional): ``drop_caches`` or ``fadvise``, to make the page cache cold for the model file

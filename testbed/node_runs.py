@@ -1,4 +1,5 @@
-"""The pack's nodes run in-process on the tiny models: the four-block Qwen-Image and its LoRA (the ``models`` fixture), loaded plain or offloaded, and the handle that streams them; the ``device`` fixture for CPU/CUDA twins."""
+"""The pack's nodes run in-process on the tiny models: the four-block Qwen-Image and its LoRA (the ``models``
+fixture), loaded plain or offloaded, and the handle that streams them; the ``device`` fixture for CPU/CUDA twins."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """Backing off after an out-of-memory: the fallback plans, and the engine running a call again with less
-of the model on the device, under the stream-order checker (tests/stream_checker.py).
+of the model on the device, under the stream-order checker (testbed/stream_checker.py).
 
 The checker stands in for the CUDA runtime: it refuses chosen allocations as a full device does, and
 when the cache is emptied it checks that no copy may still write memory that was freed.

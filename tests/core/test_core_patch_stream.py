@@ -3,7 +3,7 @@ its group's copy, once per onload, for the direct copy from a pinned mirror and 
 staged copy alike. Nothing allocates on the copy stream: under cudaMallocAsync a block freed there and
 handed to the compute stream would order the compute after the next group's copy, unseen.
 
-Under the stream checker (tests/stream_checker.py), which counts the allocations made on each stream.
+Under the stream checker (testbed/stream_checker.py), which counts the allocations made on each stream.
 """
 from __future__ import annotations
 

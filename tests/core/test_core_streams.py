@@ -1,4 +1,4 @@
-"""The engine's stream path under the happens-before checker (tests/stream_checker.py).
+"""The engine's stream path under the happens-before checker (testbed/stream_checker.py).
 
 The checker stands in for the CUDA runtime only: the engine's code, torch's kernels and the
 default ``CudaHostRegister`` pinner run for real on the CPU, and every cross-stream access to a

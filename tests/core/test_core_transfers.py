@@ -1,7 +1,7 @@
 """The transfers' failure paths and figures (issue 32): a failed gather job, a finalizer on the gather worker,
 what the ledger counts, and what a run pins.
 
-Under the stream checker (tests/stream_checker.py), and, where only a real second thread shows the fault,
+Under the stream checker (testbed/stream_checker.py), and, where only a real second thread shows the fault,
 under a plain threaded runtime (``ThreadedRuntime``) whose streams and events do nothing.
 """
 from __future__ import annotations

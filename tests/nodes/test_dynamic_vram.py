@@ -63,7 +63,7 @@ def test_fp8_through_the_node_with_the_switch_on(models, aimdo_switch):
 
 @pytest.fixture(scope="module")
 def dynamic_run(comfy, tmp_path_factory) -> dict:
-    """What tests/dynamic_vram_driver.py saw, run in a ComfyUI started as main.py starts it with Dynamic VRAM."""
+    """What testbed/dynamic_vram_driver.py saw, run in a ComfyUI started as main.py starts it with Dynamic VRAM."""
     import comfy.model_patcher
 
     if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):

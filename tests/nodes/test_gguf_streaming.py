@@ -3,7 +3,7 @@ is bit-identical to the same GGUF model without the node (Qwen-Image, Flux and W
 ComfyUI-GGUF dequantizes); the weights stream as their GGUF bytes and stay ``GGMLTensor``s; a LoRA before and
 after the node is ComfyUI-GGUF's (hung on the quantized weights, added as they dequantize); the groups past a
 host budget are gathered from the ``.gguf`` file's pages, and a file changed under them fails the run clearly.
-The bit-exact and LoRA tests run as "cpu" and "cuda" (test_cuda_nodes' ``device``): the GPU machine runs the
+The bit-exact and LoRA tests run as "cpu" and "cuda" (the test bed's ``device`` fixture): the GPU machine runs the
 same flow."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Never out of memory mid-sampling (issue 20), on real ComfyUI: ``auto`` leaves the run's activations free,
 and a diffusion-model call that runs out of GPU memory runs again with less of the model on the GPU.
 
-The out-of-memory comes from the test node ``GroupOffloadTestOutOfMemory`` (tests/comfy_testnodes): a
+The out-of-memory comes from the test node ``GroupOffloadTestOutOfMemory`` (testbed/comfy_testnodes): a
 transformer block raises ``torch.OutOfMemoryError`` part-way through its forward, where an activation
 that does not fit would. The "card" is the CPU, whose free and total memory ComfyUI is told
 (``fake_cudart.give_device_memory``); ComfyUI's own memory estimate and load path run as they are.

@@ -1,4 +1,4 @@
-"""Where the front end shows the pack to people, in headless Chromium (fixtures of test_browser): each node's
+"""Where the front end shows the pack to people, in headless Chromium (the test bed's ``browser``): each node's
 help page in its help panel, in English and, with the front end switched to Chinese (``Comfy.Locale``), in
 Chinese with the nodes' Chinese titles; and the example workflows, listed with their thumbnails in the
 template browser, loaded onto the canvas, queued as the prompt the headless runs send.
