@@ -6,10 +6,12 @@ from .grouping import OffloadConfig
 from .hostmem import FileMappings, SourceChangedError, map_file
 from .mirror import CudaHostRegister, Pinner
 from .residency import Residency, device_footprint, format_bytes, plan_residency
+from .runtime import CaptureError
 from .subclass import UnpackableTensorError, flatten, packed_nbytes, plain_subclass
 from .watch import OutsideUseError, OutsideUseWatch
 
 __all__ = [
+    "CaptureError",
     "CudaHostRegister",
     "FileMappings",
     "GroupOffloadHandle",

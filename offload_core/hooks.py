@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .group import ModuleGroup
+from .runtime import refuse_capture
 from .schedule import Schedule
 from .transfers import Transfers
 
@@ -72,6 +73,7 @@ class GroupHooks:
 
     @torch.compiler.disable
     def _enter(self, group: ModuleGroup, first: bool) -> None:
+        refuse_capture(self._transfers.runtime)
         group.running += 1
         if group.index in self._active and (group.running > 1 or not first):
             return  # a later block of a group that is already running (its first block again: a new run)
@@ -100,6 +102,8 @@ class GroupHooks:
 
     @torch.compiler.disable
     def _leave(self, group: ModuleGroup, close: bool, failed: bool = False) -> None:
+        if failed and not group.running:
+            return  # its enter refused before counting the call (inside a CUDA graph capture): nothing to undo
         group.running -= 1
         self.busy = True
         try:

@@ -40,6 +40,24 @@ class Runtime(Protocol):
 
     def discard_last_error(self) -> None: ...
 
+    def capturing(self) -> bool: ...
+
+
+class CaptureError(RuntimeError):
+    """Group offloading asked to run while the current stream captures a CUDA graph."""
+
+
+def refuse_capture(runtime: Runtime | None) -> None:
+    """``CaptureError`` while the current stream captures a CUDA graph (``torch.cuda.graph``, a captured callable),
+    before anything is queued: the hooks choose at every call which groups to copy into which device buffers and
+    order them with events on a copy stream outside the capture, and wait on the host; the capture would break at
+    the first wait, and a replayed graph would redo none of those choices."""
+    if runtime is not None and runtime.capturing():
+        raise CaptureError("Group offloading cannot run inside a CUDA graph capture: it chooses at every call which "
+                           "weights to copy to the device and where, and a replayed graph would not. Run the model "
+                           "without CUDA graphs (torch.compile without mode 'reduce-overhead', no torch.cuda.graph "
+                           "around it), or capture it without group offloading")
+
 
 class CudaRuntime:
     """``torch.cuda`` on ``device``."""
@@ -86,6 +104,11 @@ class CudaRuntime:
         """Hand the caching allocator's unused memory back to the driver (after an out-of-memory)."""
         with torch.cuda.device(self.device):
             torch.cuda.empty_cache()
+
+    def capturing(self) -> bool:
+        """Whether the current stream of ``device`` captures a CUDA graph."""
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
 
     def discard_last_error(self) -> None:
         """Read and drop the runtime's last error (a refused ``cudaHostRegister`` leaves one).

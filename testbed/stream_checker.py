@@ -14,6 +14,9 @@ Accesses to memory it tracks (its device allocations, host buffers registered th
 - a read not ordered after every earlier write of that memory on other streams;
 - unregistering host memory while a stream may still read it (the host has not waited).
 
+``capture()`` makes the current stream capture a CUDA graph, as ``torch.cuda.graph`` does: a host sync raises
+meanwhile, and so does the capturing stream's waiting on an event recorded outside the capture.
+
 The gather worker (``submit``) is a second host thread: its jobs run at once, on a clock of their own,
 ordered after what the host did before it submitted them; the host is ordered after a job once it
 ``wait``s for it. Host copies (``host_copy``) are the engine's own, ``gather.HostCopy``, which no dispatch
@@ -52,6 +55,9 @@ from offload_core.gather import HostCopy
 HOST = "host"
 COMPUTE = "compute"
 WORKER = "worker"  # the gather worker: a second host thread
+# What the CUDA runtime answers a capture it cannot record (cudaErrorStreamCaptureUnsupported / ...Isolation).
+CAPTURE_UNSUPPORTED = "CUDA error: operation not permitted when stream is capturing"
+CAPTURE_ISOLATION = "CUDA error: dependency created on uncaptured work in another stream"
 
 #: Ops that look at tensors' metadata only (``param.data = view`` asks the first).
 METADATA_OPS = {torch.ops.aten._has_compatible_shallow_copy_type.default, torch.ops.aten.is_same_size.default}
@@ -100,12 +106,15 @@ class Stream:
 
     def wait_event(self, event: "Event") -> None:
         if event.clock is not None:  # waiting for an event never recorded is a no-op, as in CUDA
+            if self.name in self.checker.capturing_streams and not event.captured:
+                raise RuntimeError(CAPTURE_ISOLATION)
             self.checker._join(self.name, event.clock)
 
     def wait_stream(self, other: "Stream") -> None:
         self.checker._join(self.name, self.checker.clocks[other.name])
 
     def synchronize(self) -> None:
+        self.checker._refuse_host_sync()
         self.checker._join(self.checker.issuer, self.checker.clocks[self.name])
 
     def query(self) -> bool:
@@ -120,15 +129,19 @@ class Event:
     def __init__(self, checker: "StreamChecker") -> None:
         self.checker = checker
         self.clock: dict[str, int] | None = None
+        self.captured = False  # recorded on a stream that captures a graph
 
     def record(self, stream: Stream | None = None) -> None:
-        self.clock = dict(self.checker.clocks[(stream or self.checker.current).name])
+        name = (stream or self.checker.current).name
+        self.clock = dict(self.checker.clocks[name])
+        self.captured = name in self.checker.capturing_streams
 
     def query(self) -> bool:
         self.synchronize()
         return True
 
     def synchronize(self) -> None:
+        self.checker._refuse_host_sync()
         if self.clock is not None:
             self.checker._join(self.checker.issuer, self.clock)
 
@@ -210,6 +223,8 @@ class StreamChecker(TorchDispatchMode):
         self._live: list[tuple[_Block, StorageWeakRef]] = []
         self._pools: list[_Block] = []
         self.host_copy = CheckedHostCopy(self)
+        self.capturing_streams: set[str] = set()  # the streams capturing a CUDA graph (``capture``)
+        self.captured_ops: list[str] = []  # the ops queued on a capturing stream
 
     # --- Runtime ---------------------------------------------------------------------------
 
@@ -289,6 +304,25 @@ class StreamChecker(TorchDispatchMode):
         self.released += len(self._pools)
         self._pools.clear()
 
+    def capturing(self) -> bool:
+        return self.current.name in self.capturing_streams
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """The current stream captures a CUDA graph meanwhile, as in ``torch.cuda.graph``: what it queues is
+        recorded (``captured_ops``); a host sync raises, and so does its waiting on an event recorded outside
+        the capture, as the CUDA runtime answers them."""
+        name = self.current.name
+        self.capturing_streams.add(name)
+        try:
+            yield
+        finally:
+            self.capturing_streams.discard(name)
+
+    def _refuse_host_sync(self) -> None:
+        if self.capturing_streams:
+            raise RuntimeError(CAPTURE_UNSUPPORTED)
+
     def discard_last_error(self) -> None:
         self.last_error = None
         self.discards += 1  # each one costs the real runtime a launch and a device sync
@@ -297,6 +331,8 @@ class StreamChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.capturing():
+            self.captured_ops.append(str(func))
         self._kernel(func, args, kwargs)
         if _returns_fresh_tensors(func) and self._reads_device_memory(args, kwargs):
             self.allocations_on[self.current.name] += 1

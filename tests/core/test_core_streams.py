@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import CudaHostRegister, apply_group_offload
+from offload_core import CaptureError, CudaHostRegister, apply_group_offload
 from offload_core.mirror import HOST_REGISTER_PORTABLE
 from offload_core.runtime import CudaRuntime
 from testbed.stream_checker import COMPUTE, HOST, WORKER, StreamChecker
@@ -268,3 +268,47 @@ def test_unpinning_gives_back_the_staging_ring_last(checker):
     handle = offload(offloaded, checker)
     assert handle.unpin(at_least=1) == group and handle.stats()["staging_bytes"] == 2 * group
     assert handle.unpin() == 2 * group and checker.cudart.registered == {}
+
+
+@pytest.mark.parametrize("resident_share", [0.0, 0.5, 1.0])
+def test_a_call_inside_a_cuda_graph_capture_is_refused_before_the_offloading_queues_anything(checker, resident_share):
+    """The hooks copy on a stream outside the capture, order with events and wait on the host, choosing at every
+    call: inside a capture they refuse at the first group, before any copy, wait or state change; the model's own
+    ops before it (its embedding) are the capture's. Outside the capture the model runs as before, ordered."""
+    reference, offloaded, x = make_pair("cpu")
+    handle = offload(offloaded, checker, prefetch=1)
+    handle.set_resident_bytes(int(resident_share * sum(g.nbytes for g in handle.groups)))
+    with torch.inference_mode():
+        expected = reference(x)
+        handle.onload_resident()
+        assert torch.equal(offloaded(x), expected)
+        counts = lambda: {k: v for k, v in handle.stats().items() if not k.startswith("hook_")}  # noqa: E731
+        launches, stats = len(checker.launches), counts()
+        with pytest.raises(CaptureError, match=r"cannot run inside a CUDA graph capture: .* Run the model without "
+                                               r"CUDA graphs .*, or capture it without group offloading"):
+            with checker.capture():
+                offloaded(x)
+        assert checker.captured_ops and len(checker.launches) == launches, "nothing of the offloading queued"
+        assert counts() == stats and not any(g.running for g in handle.groups)
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+    assert not checker.races
+
+
+@pytest.mark.cuda
+def test_a_capture_on_the_gpu_is_refused_and_leaves_the_model_as_it_was():
+    """The twin of the stand-in test on a GPU, with torch's own capture: the refusal, not a CUDA error, and the
+    capture ends cleanly (only the model's own ops before its blocks in it); the model then runs as before."""
+    reference, offloaded, x = make_pair("cuda")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cuda", prefetch=1)
+    handle.set_resident_bytes(sum(g.nbytes for g in handle.groups) // 2)
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(offloaded(x), expected)  # (also warms cuBLAS up, as a capture needs)
+        torch.cuda.synchronize()
+        with pytest.raises(CaptureError, match="cannot run inside a CUDA graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                offloaded(x)
+        for _ in range(2):
+            assert torch.equal(offloaded(x), expected)
+    assert handle.stats()["bytes_d2h"] == 0

@@ -202,3 +202,23 @@ def test_cuda_graphs_are_refused_by_name(models, settings):  # noqa: F811
     set_torch_compile_wrapper(model=compiled, **settings)
     with pytest.raises(ValueError, match="cannot run a model compiled with CUDA graphs .*use the inductor backend"):
         latent(compiled)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_of_compiled_blocks_replay_bit_identically_on_streamed_weights():
+    """Below the node (which refuses these modes: every step would record again), torch.compile's CUDA graphs
+    (mode "reduce-overhead") capture each compiled block between the offloading's hooks, which it leaves out; a
+    block whose weights lie in another device buffer than at its capture is recorded again (torch's check of its
+    static inputs' addresses, read in torch 2.14's cudagraph_trees.py), never replayed on stale addresses. Every
+    group streamed: the same outputs, call after call, as the model compiled the same way without offloading."""
+    reference, offloaded, x = make_pair("cuda")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cuda", prefetch=1)
+    for model in (reference, offloaded):
+        for block in model.blocks:
+            block.compile(mode="reduce-overhead")
+    with torch.inference_mode():
+        for _ in range(4):  # warm-up, capture, then replays
+            expected = reference(x).clone()  # (a replay's output is overwritten by the next one)
+            assert torch.equal(offloaded(x).clone(), expected)
+    stats = handle.stats()
+    assert stats["bytes_h2d"] >= 4 * stats["streamed_bytes_per_pass"] > 0 and stats["bytes_d2h"] == 0

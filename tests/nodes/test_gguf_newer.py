@@ -8,9 +8,16 @@ meets are written again here, each following nodes.py at 8e0d9cad03675aa6358bafb
 - ``GGUFModelPatcherDynamic.clone(disable_dynamic=True)`` (the patcher of *Unet Loader (GGUF, Dynamic VRAM)*, a
   ComfyUI ``ModelPatcherDynamic``: those tests need a ComfyUI that has one)
   loads the file again through the loader's ``cached_patcher_init`` and clones that as a ``GGUFModelPatcher``.
+
+Its Q8_CR layers are ``GGUFQ8Ops.Linear`` (ops.py at 8e0d9cad03675aa6358bafb670a1d78def8746a4): ComfyUI's own
+mixed-precision Linear, loaded from the INT8 tensorwise state dict its loader makes of a Q8_CR tensor (loader.py at
+the same commit: ``int8`` weight, ``float32`` scale, ``comfy_quant`` JSON); its patcher's ``patch_weight_to_device``
+leaves such a weight (not a GGML one) to its plain branch, as 795e451's does. A Q8_CR layer needs a ComfyUI with
+INT8 tensorwise layers (0.33.0; not 0.3.75).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -124,5 +131,77 @@ def test_a_layer_that_keeps_copies_of_its_weights_is_refused_naming_it(gguf_mode
     with pytest.raises(ValueError, match=r"cannot stream transformer_blocks\.1\.attn\.to_q \(CachingLinear\): that "
                                          r"layer keeps copies of its weights .* Q4_CR"):
         offload(model)
+    with pytest.raises(ValueError, match=r"cannot stream transformer_blocks\.1\.attn\.to_q .* Run this model without "
+                                         r"Group Offload, or use a GGUF file of another type"):
+        offload(with_lora(model))  # (a LoRA before the node: the same refusal, the same fix)
     layer.__class__ = CachingLinear.__mro__[1]
     assert torch.equal(sample(offload(model), "qwen_image"), expected("qwen_image")), "the model as it was"
+
+
+def as_q8_cr_layer(model, path: str = "transformer_blocks.1.attn.to_q"):
+    """``model`` (a ComfyUI-GGUF model) with the block layer at ``path`` made a Q8_CR layer holding seeded INT8
+    weights, as ComfyUI-GGUF's loader and ``GGUFQ8Ops`` make one (ops.py / loader.py at 8e0d9cad)."""
+    import comfy.ops
+
+    if not hasattr(comfy.ops, "_load_quantized_module") or "int8_tensorwise" not in comfy.ops.QUANT_ALGOS:
+        pytest.skip("this ComfyUI has no INT8 tensorwise layers, which ComfyUI-GGUF's Q8_CR files need")
+    owner_path, _, name = path.rpartition(".")
+    owner = model.model.diffusion_model.get_submodule(owner_path)
+    plain = getattr(owner, name)
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(plain.out_features, plain.in_features, generator=generator) * 0.05
+    scale = values.abs().max() / 127
+    with torch.inference_mode():  # (as a loader node runs)
+        layer = comfy.ops.mixed_precision_ops(quant_config={}, compute_dtype=torch.bfloat16).Linear(
+            plain.in_features, plain.out_features, bias=False)
+        layer.load_state_dict({"weight": torch.round(values / scale).clamp(-127, 127).to(torch.int8),
+                               "weight_scale": scale.float(),
+                               "comfy_quant": torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()),
+                                                           dtype=torch.uint8)}, strict=False)
+    setattr(owner, name, layer)
+    return model
+
+
+def q8_cr_model(kind: str = "qwen_image"):
+    return as_q8_cr_layer(load_gguf(kind))
+
+
+def test_a_q8_cr_layer_streams_as_its_int8_bytes_bit_identically(gguf_models):
+    kind = "qwen_image"
+    model = offload(q8_cr_model(kind))
+    assert torch.equal(sample(model, kind), sample(q8_cr_model(kind), kind))
+    streamed = {b.qualname: b.current() for g in offload_handle(model).groups for b in g.bindings}
+    weight = streamed["diffusion_model.transformer_blocks.1.attn.to_q.weight"]
+    assert type(weight).__name__ == "QuantizedTensor" and weight._layout_cls == "TensorWiseINT8Layout"
+    assert weight._qdata.dtype == torch.int8, "streamed as the layer's INT8 bytes"
+
+
+Q8_CR_KEY = "diffusion_model.transformer_blocks.1.attn.to_q.weight"
+
+
+def test_a_lora_on_a_q8_cr_layer_applies_as_comfyuis_own_load_applies_it(gguf_models):
+    """ComfyUI-GGUF alone drops a LoRA on a Q8_CR layer: its patcher adds the patch to the ``QuantizedTensor``
+    itself (no ``convert_weight`` first), which leaves its INT8 values and scale as they were. Through the node the
+    LoRA applies as ComfyUI's own load applies it to an INT8 layer: dequantized, patched, quantized again by the
+    layer (``ModelPatcher.patch_weight_to_device``), computed into each streamed copy. The reference: the model
+    without the node, its Q8_CR layer holding the weight ComfyUI's load patches, the other layers patched by
+    ComfyUI-GGUF."""
+    import comfy.model_patcher
+
+    kind = "qwen_image"
+    alone = with_lora(q8_cr_model(kind))
+    layer = alone.model.diffusion_model.transformer_blocks[1].attn.to_q
+    before = layer.weight.dequantize()
+    with torch.inference_mode():
+        alone.patch_weight_to_device(Q8_CR_KEY, device_to=torch.device("cpu"))
+        assert torch.equal(layer.weight.dequantize(), before), "ComfyUI-GGUF alone: the LoRA left out of the layer"
+        reference = with_lora(q8_cr_model(kind))
+        owner = reference.model.diffusion_model.transformer_blocks[1].attn
+        owner.to_q.weight = torch.nn.Parameter(comfy.model_patcher.ModelPatcher.patch_weight_to_device(
+            reference, Q8_CR_KEY, device_to=torch.device("cpu"), return_weight=True), requires_grad=False)
+    assert not torch.equal(owner.to_q.weight.dequantize(), before), "(ComfyUI's load changes that weight)"
+    expected_latent = sample(reference, kind)
+    assert torch.equal(sample(offload(with_lora(q8_cr_model(kind))), kind), expected_latent), "a LoRA before the node"
+    model = offload(q8_cr_model(kind))
+    assert torch.equal(sample(with_lora(model), kind), expected_latent), "a LoRA after the node"
+    assert torch.equal(sample(model, kind), sample(q8_cr_model(kind), kind)), "and it goes again"

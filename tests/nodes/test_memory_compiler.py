@@ -12,10 +12,11 @@ from torch import nn
 
 from testbed import call_pattern_models as stand_ins
 from testbed import memory_compiler
-from testbed.pack_modules import pack_module
-from testbed.run_nodes import run_node
 from testbed.call_pattern_models import HOST, handle_for, with_stand_in
 from testbed.dit_families import noise, text
+from testbed.node_runs import DEVICES
+from testbed.pack_modules import pack_module
+from testbed.run_nodes import run_node
 
 OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "auto", "resident_gb": 0.0}  # (a plan to fall back from)
 
@@ -51,15 +52,20 @@ def sampled(patcher) -> torch.Tensor:
 
     mm.load_models_gpu([patcher])
     options = {"wrappers": comfy.patcher_extension.copy_nested_dicts(patcher.wrappers)}  # as ComfyUI's sampler does
+    device = mm.get_torch_device()  # (where ComfyUI's sampler puts the latent and the conditioning)
     with torch.inference_mode():
-        return patcher.model.apply_model(noise(*HOST.latent, seed=5), torch.full(HOST.latent[:1], 0.7),
-                                         c_crossattn=text(), transformer_options=options)
+        return patcher.model.apply_model(noise(*HOST.latent, seed=5).to(device),
+                                         torch.full(HOST.latent[:1], 0.7, device=device),
+                                         c_crossattn=text().to(device), transformer_options=options)
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("error", [lambda: torch.OutOfMemoryError("CUDA out of memory"),
                                    lambda: RuntimeError(memory_compiler.COMPILE_ERROR)],
                          ids=["out_of_memory", "aimdo_compile_error"])
-def test_the_back_off_closes_the_half_open_compiler_and_runs_the_call_again(comfy, monkeypatch, error):
+def test_the_back_off_closes_the_half_open_compiler_and_runs_the_call_again(monkeypatch, error, device):
+    """On a GPU, the node-level twin: the same with ComfyUI on CUDA, the handle's ComfyCudaRuntime streaming
+    into real device buffers (made with the graph paused), the error raised part-way through a streamed call."""
     import comfy.model_management as mm
 
     compiler = memory_compiler.install(monkeypatch)
@@ -75,7 +81,9 @@ def test_the_back_off_closes_the_half_open_compiler_and_runs_the_call_again(comf
         failed, retried = compiler.graphs[-2:]
         assert failed.aborted, "the graph the failed call left open was closed before the call ran again"
         assert not retried.aborted and compiler.open_graph() is None
-        assert handle_for(model).stats()["back_offs"] == 1
+        stats = handle_for(model).stats()
+        assert stats["back_offs"] == 1 and stats["bytes_d2h"] == 0
+        assert torch.equal(sampled(offloaded), expected), "and the next call, as it was"
     finally:
         mm.unload_all_models()
 
@@ -93,9 +101,6 @@ def test_a_plain_error_is_not_taken_for_an_out_of_memory(comfy, monkeypatch):
         assert handle_for(model).stats()["back_offs"] == 0
     finally:
         mm.unload_all_models()
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
