@@ -107,21 +107,28 @@ def predicted(run: dict[str, Any], lru: bool) -> int:
     return stats["in_place_bytes"] if lru else stats["in_place_bytes"] - stats["kept_cached_bytes"]
 
 
-def row(name: str, run: dict[str, Any], limit: int | None, expected: float | None, reference: torch.Tensor
-        ) -> list[str]:
+def minimum(run: dict[str, Any], cache_room: int) -> int:
+    """The fewest bytes a step could read from storage: the groups kept in place less the page cache the box has
+    room for beside the run's anonymous memory (``cache_room``)."""
+    return max(0, run["calls"][-1]["in_place_bytes"] - cache_room)
+
+
+def row(name: str, run: dict[str, Any], limit: int | None, expected: float | None, reference: torch.Tensor,
+        least: int | None = None) -> list[str]:
     later = slice(2, None)  # the first step reads the groups once, the second finds what the first left
     boxes, stats = run["box_stats"], run["calls"][-1]
     read = statistics.median(run["call_read_bytes"][later])
     return [name, "—" if limit is None else fmt(limit / MB, 0), fmt(stats["packed_bytes"] / MB, 0),
             fmt(stats["kept_cached_bytes"] / MB, 0), fmt(statistics.median(run["call_seconds"][later]), 3),
             "—" if expected is None else fmt(expected / MB, 0), fmt(read / MB, 0),
-            "—" if not expected else fmt(read / expected, 2), fmt(boxes[-1]["total_cache"] / MB, 0),
+            "—" if not expected else fmt(read / expected, 2), "—" if least is None else fmt(least / MB, 0),
+            "—" if not least else fmt(read / least, 2), fmt(boxes[-1]["total_cache"] / MB, 0),
             fmt(max(b["total_rss"] for b in boxes) / MB, 0), fmt(run["box_peak_bytes"] / MB, 0),
             "yes" if torch.equal(run["latent"], reference) else "NO"]
 
 
 HEADERS = ["run", "box limit MB", "packed MB", "kept cached MB", "s/step", "predicted from storage MB/step",
-           "read from storage MB/step", "read ÷ predicted", "page cache in the box at the end MB",
+           "read from storage MB/step", "read ÷ predicted", "box minimum MB/step", "read ÷ minimum", "page cache in the box at the end MB",
            "anonymous in the box MB", "box peak MB", "latent = unlimited's"]
 
 
@@ -136,11 +143,13 @@ def measure_version(models, version, folder: Path, steps: int, smoke: bool) -> t
         limit = anon + file_bytes // divisor
         for policy, lru in (("LRU", True), ("engine", False)):
             run = boxed_run(models, version, folder, f"{version.name}-{share}-{policy}", limit, steps, lru=lru)
-            rows.append(row(f"{share} the file cached: {policy}", run, limit, predicted(run, lru), reference))
+            rows.append(row(f"{share} the file cached: {policy}", run, limit, predicted(run, lru), reference,
+                            minimum(run, file_bytes // divisor)))
     limit = loading_growth(free) + anon + file_bytes // 2
     run = boxed_run(models, version, folder, f"{version.name}-container", limit, steps, offload={},
                     enter_box_before_load=True)
-    rows.append(row("container: entered before loading, defaults", run, limit, predicted(run, False), reference))
+    rows.append(row("container: entered before loading, defaults", run, limit, predicted(run, False), reference,
+                    minimum(run, file_bytes // 2)))
     sizes = free["in_place_group_bytes"]
     note = (f"ComfyUI {version.name}: {sum(sizes) / MB:.0f} MB of groups kept in place ({len(sizes)} groups); the run "
             f"added {anon / MB:.0f} MB of anonymous memory sampling, {loading_growth(free) / MB:.0f} MB loading.")

@@ -24,7 +24,7 @@ from torch import nn
 from .grouping import OffloadConfig, build_groups, check_host_budget, check_resident_bytes
 from .group import FillFn
 from .hooks import GroupHooks
-from .hostmem import groups_kept_cached
+from .hostmem import bytes_kept_cached
 from .ledger import TransferLedger
 from .mirror import Pinner
 from .onload_patch import OnloadPatch, PatchFn
@@ -103,8 +103,8 @@ class GroupOffloadHandle(GroupHooks):
             "packed_bytes": sum(g.nbytes for g in self.groups if g.mirror.packed),  # the host copies in anonymous memory
             "in_place_bytes": sum(g.nbytes for g in in_place),  # beyond the host budget: gathered where they lie
             "file_backed_bytes": sum(g.mirror.file_backed_bytes for g in in_place),  # of those, in mapped files
-            # of those, the groups whose pages stay in the page cache between their gathers (``keep_cached``)
-            "kept_cached_bytes": sum(g.nbytes for g in in_place if not g.mirror.released_after_gather),
+            # of those, the bytes whose pages stay in the page cache between their gathers (``keep_cached``)
+            "kept_cached_bytes": sum(g.mirror.cached_bytes for g in in_place),
             "pinned_bytes": sum(g.nbytes for g in self.groups if g.mirror.pinned) + staging,  # all it holds page-locked
             "staging_bytes": staging,
             "pin_seconds": self._pins.seconds,
@@ -160,24 +160,23 @@ class GroupOffloadHandle(GroupHooks):
 
         A step gathers the streamed ones in a cycle: where they need more page cache than ``room``, the
         kernel's LRU drops each page shortly before it is read again, and every step reads all of them from
-        the disk. Instead, the first ones that fit (``hostmem.groups_kept_cached``) stay cached and the
-        others' pages are released after each of their gathers, so that a step reads only those again. Room
-        is left for the ones in flight: the group being gathered and, where the gather worker reads the next
-        ones ahead (a CUDA device), those (``prefetch``). A resident group is gathered once per load: its pages
-        are released then too.
+        the disk. Instead, their first bytes that fit (``hostmem.bytes_kept_cached``: the first groups whole,
+        then the leading part of the next) stay cached and the pages past them are released during each
+        gather, so that a step reads only those again. Room is left for the groups in flight: the one being
+        gathered and, where the disk reads the next ones ahead (a CUDA device), those (the lookahead in effect).
+        A resident group is gathered once per load: its pages are released then too.
         """
         in_place = [g for g in self.groups if not g.mirror.packed]
-        streamed = [g.nbytes for g in in_place if not g.resident]
-        if room is None or sum(streamed) <= max(0, room):
-            kept = [True] * len(in_place)
+        sizes = [g.nbytes for g in in_place if not g.resident]
+        if room is None or sum(sizes) <= max(0, room):
+            kept = [g.nbytes for g in in_place]
         else:
-            read_ahead = self.prefetch if self._transfers.runtime is not None else 0
-            in_flight = (1 + read_ahead) * max(streamed)
-            cached = iter(groups_kept_cached(streamed, room - in_flight))
-            kept = [not g.resident and next(cached) for g in in_place]
-        for group, stays in zip(in_place, kept):
-            group.mirror.released_after_gather = not stays
-        return sum(g.nbytes for g, stays in zip(in_place, kept) if stays)
+            in_flight = (1 + self._transfers.read_ahead_groups) * max(sizes)
+            cached = iter(bytes_kept_cached(sizes, room - in_flight))
+            kept = [0 if g.resident else next(cached) for g in in_place]
+        for group, cached_bytes in zip(in_place, kept):
+            group.mirror.cached_bytes = cached_bytes
+        return sum(kept)
 
     def set_resident_bytes(self, resident_bytes: int) -> None:
         """Re-plan which groups stay on the device, with the configured prefetch; takes effect from the

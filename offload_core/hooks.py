@@ -96,6 +96,7 @@ class GroupHooks:
             self._take_ready(group)
         if group.ready is not None:
             self._transfers.wait_for(group)
+        self._transfers.run_starts(group)
         self._active.add(group.index)
         self._prefetch_after(group, pageable=False)
         self._transfers.ledger.record_hook(time.perf_counter() - started, entered=True)
@@ -122,6 +123,7 @@ class GroupHooks:
 
     def _close(self, group: ModuleGroup) -> None:
         self._active.discard(group.index)
+        self._transfers.run_ends(group)
         if not group.resident and group.onloaded:
             self._transfers.offload(group)
 
@@ -154,7 +156,7 @@ class GroupHooks:
             waiting = [g for g in self.groups if g.onloaded and not g.resident and g.index not in self._active]
             if waiting:
                 self._transfers.offload(waiting[0])
-        upcoming = [self.groups[i] for i in self._schedule.after(group.index)]
+        upcoming = [self.groups[i] for i in self._schedule.after(group.index, self._transfers.read_ahead_cap)]
         self._transfers.onload(group, prefetched, upcoming)
 
     def _slab_free(self) -> bool:

@@ -343,47 +343,56 @@ def advise_will_need(tensor: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class FilePages:
-    """Where a tensor of a file mapping lies in its file, to let the page cache drop its pages (``release``)."""
+    """Where a tensor of a file mapping lies in its file, to let the page cache drop its pages (``release``).
+    Both methods act on the tensor's pages from its byte ``skip`` on: from the page its first byte lies in
+    (``skip`` 0, whoever else's bytes it holds), else from the first page that begins past ``skip``."""
 
     descriptor: int  # the file, open while it is mapped (``SourceFiles``)
     offset: int  # the tensor's first byte in it
     read_only: bool  # the mapping: its pages are the file's, its page-table entries may go
 
-    def read_forward(self, tensor: torch.Tensor) -> None:
+    def read_forward(self, tensor: torch.Tensor, skip: int = 0) -> None:
         """Have a fault on ``tensor``'s pages read ahead of it only (``MADV_SEQUENTIAL``): by default the kernel
         also reads around a fault on a file mapping (half its read-ahead window before it, 4 MiB of an 8 MiB
         one), which would read the released pages of the tensor before it again."""
-        if _libc is not None and tensor.numel() > 0:
-            start = tensor.data_ptr() // _PAGE * _PAGE
-            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(tensor.data_ptr() + _extent(tensor) - start),
-                          _MADV_SEQUENTIAL)
+        if _libc is not None and (pages := _pages_from(tensor, skip)) is not None:
+            _libc.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), _MADV_SEQUENTIAL)
 
-    def release(self, tensor: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor, skip: int = 0) -> None:
         """Drop ``tensor``'s pages from the page cache now: this process's page-table entries for them (on a
         mapping never written), then the file's cached pages in that range (``POSIX_FADV_DONTNEED``, which
-        leaves the pages some process still maps). The next read of them goes to the disk. The page its first
-        byte lies in goes too, whoever else's bytes it holds."""
-        if _libc is None or tensor.numel() == 0:
+        leaves the pages some process still maps). The next read of them goes to the disk."""
+        if _libc is None or (pages := _pages_from(tensor, skip)) is None:
             return
-        start = tensor.data_ptr() // _PAGE * _PAGE
-        length = tensor.data_ptr() + _extent(tensor) - start
+        start, length = pages
         if self.read_only:
             _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
-        os.posix_fadvise(self.descriptor, self.offset - (tensor.data_ptr() - start), length, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self.descriptor, self.offset + start - tensor.data_ptr(), length, os.POSIX_FADV_DONTNEED)
 
 
-def groups_kept_cached(sizes: list[int], room: int) -> list[bool]:
-    """Which of the groups kept in place (their bytes, in the order a step gathers them) should stay in a page
-    cache with ``room`` bytes for them; the others' pages are released after each gather (``FilePages.release``).
+def _pages_from(tensor: torch.Tensor, skip: int) -> tuple[int, int] | None:
+    """(address, length) of ``tensor``'s pages from its byte ``skip`` on (``FilePages``); None if there are none."""
+    if tensor.numel() == 0:
+        return None
+    first = tensor.data_ptr() + skip
+    start = first // _PAGE * _PAGE if skip == 0 else -(-first // _PAGE) * _PAGE
+    end = tensor.data_ptr() + _extent(tensor)
+    return (start, end - start) if end > start else None
+
+
+def bytes_kept_cached(sizes: list[int], room: int) -> list[int]:
+    """How many leading bytes of each group kept in place (their bytes, in the order a step gathers them) should
+    stay in a page cache with ``room`` bytes for them: the first groups whole while they fit, then the leading
+    part of the next one; the pages past those are released after each gather (``FilePages.release``).
 
     A step reads the groups in a cycle. Where they are more than the cache holds, the kernel's LRU drops
     each page shortly before it is read again, and every step reads all of them from the disk; keeping the
-    first groups that fit and releasing the others reads only the others again.
+    first bytes that fit and releasing the others reads only the others again.
     """
-    kept, used = [], 0
+    kept, left = [], max(0, room)
     for size in sizes:
-        kept.append(used + size <= room)
-        used += size if kept[-1] else 0
+        kept.append(min(size, left))
+        left -= kept[-1]
     return kept
 
 

@@ -151,16 +151,16 @@ class InPlaceMirror:
         self.nbytes = nbytes
         self.views = list(tensors)
         self._file_backed = []
-        self._pages: list[tuple[torch.Tensor, FilePages]] = []  # the mapped tensors whose pages can be released
-        for tensor, segment in zip(self.views, segments):
+        self._pages: list[FilePages | None] = []  # per tensor: where its pages can be released from, if they can
+        for tensor in self.views:
             mapping = mappings.find(tensor)
             self._file_backed.append(mapping is not None)
-            if mapping is not None and (pages := sources.add(mapping, tensor)) is not None:
-                self._pages.append((tensor, pages))
+            self._pages.append(None if mapping is None else sources.add(mapping, tensor))
         ends = [s.offset for s in segments[1:]] + [nbytes]  # each tensor's slot, as the group's bytes count it
         self.file_backed_bytes = sum(end - s.offset for s, end, mapped in zip(segments, ends, self._file_backed) if mapped)
-        # Whether the page cache lets go of the mapped tensors' pages after each gather (``keep_cached``).
-        self.released_after_gather = False
+        # The group's leading bytes whose pages stay in the page cache between gathers (``keep_cached``); the
+        # pages past them are released after each gather.
+        self.cached_bytes = nbytes
 
     def pin(self, pinner: Pinner, drain: Callable[[], None] | None = None) -> bool:
         return False
@@ -185,23 +185,27 @@ class InPlaceMirror:
         """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the
         bytes whose pages the page cache did not hold as the gather began (read from the disk; a page two
         tensors share counts for each). A ``copy`` that copies many pairs at once (``gather.HostCopy``)
-        is given the whole group. Then, if ``released_after_gather``, the mapped tensors' pages leave the
-        page cache: the next read of them goes to the disk, and the pages kept cached stay."""
-        mapped = self.mapped_views()
-        from_disk = sum(uncached_bytes(view) or 0 for view in mapped)
-        if self.released_after_gather:
-            for view, pages in self._pages:
-                pages.read_forward(view)
+        is given the whole group. Then the mapped pages past ``cached_bytes`` leave the page cache: the next
+        read of them goes to the disk, and the pages kept cached stay."""
+        from_disk = sum(uncached_bytes(view) or 0 for view in self.mapped_views())
+        released = self._released_from()
+        for i, skip in released.items():
+            self._pages[i].read_forward(self.views[i], skip)
         intos = segment_views(target, self.segments)
         if isinstance(copy, ManyCopy):
             copy.many(intos, self.views)
         else:
             for into, view in zip(intos, self.views):
                 copy(into, view)
-        if self.released_after_gather:
-            for view, pages in self._pages:
-                pages.release(view)
+        for i, skip in released.items():
+            self._pages[i].release(self.views[i], skip)
         return from_disk
+
+    def _released_from(self) -> dict[int, int]:
+        """Tensor index -> the byte of it from which its pages are released after a gather (those past
+        ``cached_bytes``), for the mapped tensors that have such pages."""
+        return {i: max(0, self.cached_bytes - segment.offset) for i, segment in enumerate(self.segments)
+                if self._pages[i] is not None and segment.offset + segment.nbytes > self.cached_bytes}
 
 
 def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:

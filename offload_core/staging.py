@@ -35,6 +35,10 @@ class StagingRing:
         self._next = 0
 
     @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    @property
     def total_bytes(self) -> int:
         return self.nbytes * len(self._buffers)
 

@@ -11,6 +11,11 @@ by where the bytes come from:
   from there on the copy stream (``staging.py``); the group's ``pending`` future yields the ``ready``
   event once the worker queued it.
 
+While the worker gathers a group kept in place, the disk reads the next ones ahead (``MADV_WILLNEED``), as
+many as it takes for a group's read to be done by its turn: ``TransferLedger.lookahead``, the gather and
+copy per group over the compute per group as measured so far (the compute timed on the compute stream
+where groups are read ahead), recomputed at each gather, at most the staging ring's slots, at least 1.
+
 Stream choreography on CUDA (the only cross-stream ordering there is; ``testbed/stream_checker.py``
 proves it on every test run):
 
@@ -70,6 +75,9 @@ class Transfers:
         self._inference = any(g.inference for g in groups)  # the kind of device buffers to make
         self.slabs = SlabPool(device, runtime, self.copy_stream, self._inference)
         self.pins = HostPins(groups, pinner, runtime, None if runtime is None else _drain_without_holding(self))
+        self._in_place = any(not g.mirror.packed for g in groups)  # groups whose disk reads may go ahead
+        self.lookahead = 1  # groups read ahead of the one gathered, until measured (``_settle_lookahead``)
+        self._runs_timed: dict[int, object] = {}  # group index -> the timing event its run began at
 
     # --- onload --------------------------------------------------------------------------------
 
@@ -120,11 +128,48 @@ class Transfers:
         else:
             self.slabs.put_back(slab)
 
+    @property
+    def read_ahead_cap(self) -> int:
+        """The most groups the disk reads ahead of the one gathered: the staging ring's slots (0: none is read
+        ahead, no group kept in place or no ring)."""
+        ring = self.pins.staging
+        return ring.slots if self._in_place and ring is not None else 0
+
+    @property
+    def read_ahead_groups(self) -> int:
+        """The groups the disk reads ahead of the one gathered now (0: none)."""
+        return min(self.lookahead, self.read_ahead_cap)
+
     def _read_ahead(self, upcoming: list[ModuleGroup]) -> None:
-        """The disk reads the groups kept in place among ``upcoming`` while the worker gathers."""
-        for group in upcoming:
+        """The disk reads the groups kept in place among the first ``lookahead`` of ``upcoming`` while the
+        worker gathers."""
+        self._settle_lookahead()
+        for group in upcoming[: self.lookahead]:
             if not group.mirror.packed and not group.onloaded:
                 group.mirror.read_ahead()
+
+    def _settle_lookahead(self) -> None:
+        """The lookahead from the rates measured so far (kept as it was until they are)."""
+        measured = self.ledger.lookahead(self.read_ahead_cap)
+        if measured is not None:
+            self.lookahead = measured
+        self.ledger.read_ahead = self.read_ahead_groups
+
+    def run_starts(self, group: ModuleGroup) -> None:
+        """``group`` begins to run on the compute stream: a streamed one's run is timed where the disk reads
+        ahead (the compute per group of the lookahead)."""
+        if self.read_ahead_cap and not group.resident:
+            self._runs_timed[group.index] = self._timing_event(self.runtime.current_stream())
+
+    def run_ends(self, group: ModuleGroup) -> None:
+        started = self._runs_timed.pop(group.index, None)
+        if started is not None:
+            self.ledger.record_compute(started, self._timing_event(self.runtime.current_stream()))
+
+    def _timing_event(self, stream: object) -> object:
+        event = self.runtime.new_event(enable_timing=True)
+        event.record(stream)
+        return event
 
     def _copy_into(self, group: ModuleGroup, slab: torch.Tensor, non_blocking: bool) -> None:
         """Copy the group into ``slab`` and point its modules there: with the device on the host, or from a
@@ -164,11 +209,12 @@ class Transfers:
                 from_disk = group.gather_into(staged, self.runtime.host_copy)
                 if not group.mirror.packed:
                     self.ledger.record_gather(group.nbytes, from_disk, time.perf_counter() - started)
+                copying = self._timing_event(self.copy_stream)
                 group.fill(slab, non_blocking=True, source=staged)
                 ring.sent(index, self.copy_stream)
                 self.ledger.record_copy(group.nbytes, staged=True)
-                ready = self.runtime.new_event()
-                ready.record(self.copy_stream)
+                ready = self._timing_event(self.copy_stream)
+                self.ledger.record_copy_time(copying, ready)
             return ready
         finally:
             _THREAD.job = False

@@ -1,7 +1,7 @@
 """A CPU stand-in for the CUDA runtime that proves cross-stream accesses are ordered.
 
 ``StreamChecker`` offers what the engine's ``Runtime`` needs (streams, ``wait_stream``, events with
-``record`` / ``wait_event`` / ``query``, device allocations) plus a ``cudart`` stand-in for host
+``record`` / ``wait_event`` / ``query`` (never reached: it orders nothing), device allocations) plus a ``cudart`` stand-in for host
 registration. Each stream keeps a vector clock: what it has waited for, directly or through
 events and other streams. Used as a context manager, it observes every aten op torch runs (a
 ``TorchDispatchMode``) as a kernel on the current stream that reads its tensor arguments and writes
@@ -137,8 +137,9 @@ class Event:
         self.captured = name in self.checker.capturing_streams
 
     def query(self) -> bool:
-        self.synchronize()
-        return True
+        """Not reached yet, as a real GPU may answer: the engine asks only to read its timers, and must never
+        take an answer as an order (a ``True`` would order the host after the event and hide a race)."""
+        return False
 
     def synchronize(self) -> None:
         self.checker._refuse_host_sync()

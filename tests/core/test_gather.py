@@ -1,5 +1,6 @@
 """The gather's host copy (``offload_core.gather.HostCopy``): bit for bit whatever the layout, in chunks that
-its threads share, and through the engine under the stream checker, whose host copy it is."""
+its threads share, and through the engine under the stream checker, whose host copy it is; and how far ahead
+of a gather the disk reads (the lookahead from the ledger's measured rates)."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from offload_core import apply_group_offload, gather
+from offload_core import mirror as mirror_module
 from offload_core.gather import HostCopy, plain_bytes
 from offload_core.hostmem import FileMappings, SourceFiles, map_file
+from offload_core.ledger import TransferLedger
 from offload_core.mirror import InPlaceMirror, ManyCopy, pack_layout, segment_views
 from offload_core.runtime import CudaRuntime
 from testbed.core_models import mapped_pair
@@ -152,3 +155,112 @@ def test_a_quantized_weights_inner_tensors_and_strided_weights_gather_exactly(ch
             assert torch.equal(offloaded(x), reference(x))
     assert handle.stats()["gathers"] > 0
     handle.remove()
+
+
+class Mark:
+    """A timing event the GPU has passed, ``at`` milliseconds into its stream (the ledger's timers read it)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "Mark") -> float:
+        return end.at - self.at
+
+
+def fed_ledger(ledger: TransferLedger, gather_ms: float, copy_ms: float, compute_ms: float, groups: int = 1000) -> None:
+    """``groups`` gathers, staged copies and runs of the given milliseconds each, as the engine records them."""
+    for _ in range(groups):
+        ledger.record_gather(1 << 20, 0, gather_ms / 1e3)
+        ledger.record_copy_time(Mark(0.0), Mark(copy_ms))
+        ledger.record_compute(Mark(0.0), Mark(compute_ms))
+
+
+@pytest.mark.parametrize("compute_ms, cap, expected", [
+    (2.5, 8, 2),  # (3 + 1) / 2.5 = 1.6, rounded up
+    (1.9, 8, 3),
+    (1.1, 8, 4),
+    (1.1, 2, 2),  # the ring's slots cap it
+    (8.0, 8, 1),  # 0.5: the gather is done within one group's compute, and the next group is read ahead still
+])
+def test_the_lookahead_is_the_gather_and_copy_over_the_compute_per_group(compute_ms, cap, expected):
+    ledger = TransferLedger()
+    assert ledger.lookahead(cap) is None, "nothing measured yet"
+    fed_ledger(ledger, 3.0, 1.0, compute_ms)
+    assert ledger.lookahead(cap) == expected
+    figures = ledger.as_dict()
+    assert (figures["gather_ms_per_group"], figures["copy_ms_per_group"], figures["compute_ms_per_group"]) == \
+        pytest.approx((3.0, 1.0, compute_ms))
+
+
+@pytest.mark.parametrize("compute_ms, expected", [(8.0, 1), (2.5, 2), (0.5, 2)])  # (0.5: 8 groups, capped by the ring)
+def test_the_disk_reads_ahead_as_many_groups_as_the_measured_rates_ask(tmp_path, checker, monkeypatch, compute_ms,
+                                                                      expected):
+    """With prefetch 1, a ledger whose gathers and copies take 1.6 times a group's compute reads two groups
+    ahead of each gather, and one where they take half of it, one: the ``madvise`` calls after each gather
+    name the next groups of the cycle, as many as the lookahead, which ``stats()`` shows. Bit-identical."""
+    reference, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", prefetch=1, runtime=checker, host_budget=0)
+    groups = len(handle.groups)
+    assert handle.stats()["staging_bytes"] > 0 and groups == 6
+    fed_ledger(handle.ledger, 3.0, 1.0, compute_ms)
+    group_of = {view.data_ptr(): g.index for g in handle.groups for view in g.mirror.mapped_views()}
+    mirrors = {id(g.mirror): g.index for g in handle.groups}
+    log: list[tuple[str, int]] = []
+
+    def advised(view: torch.Tensor) -> None:
+        if log[-1] != ("ahead", group_of[view.data_ptr()]):
+            log.append(("ahead", group_of[view.data_ptr()]))
+
+    gather_into = InPlaceMirror.gather_into
+
+    def gathered(mirror: InPlaceMirror, target: torch.Tensor, copy) -> int:
+        log.append(("gather", mirrors[id(mirror)]))
+        return gather_into(mirror, target, copy)
+
+    monkeypatch.setattr(mirror_module, "advise_will_need", advised)
+    monkeypatch.setattr(InPlaceMirror, "gather_into", gathered)
+    with torch.inference_mode():
+        expected_output = reference(x)
+        assert torch.equal(offloaded(x), expected_output)  # (learns the order: nothing read ahead before it)
+        log.clear()
+        assert torch.equal(offloaded(x), expected_output)
+    gathers = [i for i, (kind, _) in enumerate(log) if kind == "gather"]
+    assert len(gathers) == groups
+    for start, end in zip(gathers, gathers[1:] + [len(log)]):
+        gathered_group = log[start][1]
+        ahead = [index for _, index in log[start + 1 : end]]
+        assert ahead == [(gathered_group + k) % groups for k in range(1, expected + 1)], log
+    assert handle.stats()["read_ahead"] == expected
+    handle.remove()
+
+
+def test_a_gather_releases_the_pages_past_the_bytes_kept_cached(tmp_path: Path, monkeypatch):
+    """A group whose leading bytes stay cached: once it is copied, its pages past ``cached_bytes`` are released,
+    the tensor the boundary falls in from the first page past it. Bit-identical."""
+    from offload_core.hostmem import FilePages
+
+    sizes = [3 * 4096, 5 * 4096, 2 * 4096]
+    path = tmp_path / "group.bin"
+    path.write_bytes(random_bytes((sum(sizes),), torch.uint8, 7).numpy().tobytes())
+    mapped, views, offset = map_file(path), [], 0
+    for size in sizes:
+        views.append(mapped[offset : offset + size])
+        offset += size
+    segments, nbytes = pack_layout(views)
+    mirror = InPlaceMirror(segments, nbytes, views, FileMappings(), SourceFiles())
+    mirror.cached_bytes = 4 * 4096 + 100  # the first tensor, and a page and 100 bytes of the second
+    log: list[tuple[str, int, int]] = []
+    index = {view.data_ptr(): i for i, view in enumerate(views)}
+    monkeypatch.setattr(FilePages, "release", lambda pages, view, skip=0: log.append(("release", index[view.data_ptr()], skip)))
+
+    def copy(target: torch.Tensor, source: torch.Tensor) -> None:
+        log.append(("copy", index[source.data_ptr()], 0))
+        target.copy_(source)
+
+    target = torch.zeros(nbytes, dtype=torch.uint8)
+    mirror.gather_into(target, copy)
+    assert log == [("copy", 0, 0), ("copy", 1, 0), ("copy", 2, 0), ("release", 1, 4096 + 100), ("release", 2, 0)]
+    assert all(torch.equal(into, view) for into, view in zip(segment_views(target, segments), views))

@@ -145,10 +145,11 @@ def test_released_pages_leave_the_page_cache(tmp_path):
     assert hostmem.uncached_bytes(mapping[half:]) == 0, "only the released range leaves"
 
 
-def test_the_groups_kept_cached_are_the_first_that_fit_the_room():
-    assert hostmem.groups_kept_cached([10] * 6, 35) == [True, True, True, False, False, False]
-    assert hostmem.groups_kept_cached([10, 30, 10], 25) == [True, False, True]
-    assert hostmem.groups_kept_cached([10] * 3, 0) == [False] * 3
+def test_the_bytes_kept_cached_are_the_first_that_fit_the_room():
+    assert hostmem.bytes_kept_cached([10] * 6, 35) == [10, 10, 10, 5, 0, 0], "the next group's leading part"
+    assert hostmem.bytes_kept_cached([10, 30, 10], 25) == [10, 15, 0]
+    assert hostmem.bytes_kept_cached([10] * 3, 30) == [10] * 3
+    assert hostmem.bytes_kept_cached([10] * 3, 0) == hostmem.bytes_kept_cached([10] * 3, -5) == [0] * 3
 
 
 @pytest.mark.parametrize("weight_dtype", ["default", "fp8_e4m3fn"])
