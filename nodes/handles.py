@@ -20,6 +20,7 @@ from .blocks import find_blocks
 from .compiler import ComfyCudaRuntime
 from .memory import (HostBudget, anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks,
                      raw_group_bytes, room_on_the_card)
+from .model_state import ModelState, every_state, state_of
 from .settings import OffloadSettings
 
 log = logging.getLogger(__name__)
@@ -114,12 +115,12 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         pin_memory=ComfyPinner.enabled(),
         learn_entries=True,
         **_runtime_for(torch.device(device)),
-        pinner=ComfyPinner(model.diffusion_model),
+        pinner=ComfyPinner(model),
         progress=lambda done, total: bar.update_absolute(done, total),
     )
     _guard(model, handle)
-    _BUILT_WITH[handle] = settings.handle_layout()
-    _HOST_LIMIT[handle] = budget.bound_by
+    state = state_of(model)
+    state.built_with, state.host_limit = settings.handle_layout(), budget.bound_by
     _log_host_copies(handle, settings, budget)
     return handle
 
@@ -131,7 +132,7 @@ def _runtime_for(device: torch.device) -> dict:
 
 def packed_host_bytes() -> int:
     """The packed host copies every offloaded model alive holds (what a shared host budget already spent)."""
-    handles = (ref() for ref in list(_HANDLES.values()))
+    handles = (state.handle() for _, state in every_state() if state.handle is not None)
     return sum(handle.stats()["packed_bytes"] for handle in handles if handle is not None)
 
 
@@ -144,33 +145,23 @@ def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, budg
              format_bytes(stats["packed_bytes"]), in_place, settings.host_memory, allowed, budget.bound_by)
 
 
-# Handle -> the settings it was built for (``OffloadSettings.handle_layout``): other settings need a new handle.
-_BUILT_WITH: "weakref.WeakKeyDictionary[GroupOffloadHandle, tuple]" = weakref.WeakKeyDictionary()
-# Handle -> the limit that bound its host budget (``HostBudget.bound_by``): the readout names it.
-_HOST_LIMIT: "weakref.WeakKeyDictionary[GroupOffloadHandle, str]" = weakref.WeakKeyDictionary()
+def host_limit(base_model: nn.Module) -> str | None:
+    """The limit that bound the host budget of the handle ``build_handle`` put on ``base_model``'s blocks."""
+    return state_of(base_model).host_limit
 
 
-def host_limit(handle: GroupOffloadHandle) -> str | None:
-    """The limit that bound ``handle``'s host budget when ``build_handle`` built it."""
-    return _HOST_LIMIT.get(handle)
-
-
-def built_for(handle: GroupOffloadHandle) -> tuple | None:
-    """The ``handle_layout`` of the settings ``build_handle`` built ``handle`` for."""
-    return _BUILT_WITH.get(handle)
+def built_for(base_model: nn.Module) -> tuple | None:
+    """The ``handle_layout`` of the settings ``build_handle`` built the handle on ``base_model``'s blocks for."""
+    return state_of(base_model).built_with
 
 
 # --- guard -------------------------------------------------------------------------------------
 
-_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[torch.utils.hooks.RemovableHandle]]" = weakref.WeakKeyDictionary()
-# Base model -> the handle on its blocks, found even while a wrapper around the one that backs off has
-# swapped the diffusion model or its blocks for compiled ones (TorchCompileModel, per-block compiles).
-_HANDLES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupOffloadHandle]]" = weakref.WeakKeyDictionary()
-
-
 def handle_for_model(base_model: nn.Module) -> GroupOffloadHandle:
-    """The handle ``build_handle`` put on ``base_model``'s blocks (it must be alive)."""
-    return _HANDLES[base_model]()
+    """The handle ``build_handle`` put on ``base_model``'s blocks (it must be alive), found even while a wrapper
+    around the one that backs off has swapped the diffusion model or its blocks for compiled ones
+    (TorchCompileModel, per-block compiles)."""
+    return state_of(base_model).handle()
 
 
 def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
@@ -180,8 +171,8 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     error naming the model and the tensor, raised before it is used (``OutsideUseWatch``; not while
     torch.compile traces the whole model: its graphs would hold the check)."""
     diffusion_model = base_model.diffusion_model
-    for hook in _GUARDS.pop(diffusion_model, []):
-        hook.remove()
+    state = state_of(base_model)
+    _remove_guards(state)
     model_ref, handle_ref = weakref.ref(base_model), weakref.ref(handle)
     learning = {"watch": None, "entered": 0, "done": False}
     name = type(diffusion_model).__name__
@@ -193,7 +184,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
 
     def before_call(module, args):
         patcher = getattr(model_ref(), "current_patcher", None)
-        if patcher is not None and patcher not in _OFFLOAD_PATCHERS:
+        if patcher is not None and patcher not in state.offload_patchers:
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_handle(model_ref())
             return
@@ -216,18 +207,18 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             learning["done"] = True
             log.debug("Group Offload: %s runs its blocks through %s", name, ", ".join(handle.settle_entries()))
 
-    _HANDLES[base_model] = handle_ref
-    _GUARDS[diffusion_model] = [diffusion_model.register_forward_pre_hook(before_call),
-                                diffusion_model.register_forward_hook(after_call, always_call=True)]
+    state.handle = handle_ref
+    state.guards = [diffusion_model.register_forward_pre_hook(before_call),
+                    diffusion_model.register_forward_hook(after_call, always_call=True)]
+
+
+def _remove_guards(state: ModelState) -> None:
+    for hook in state.guards:
+        hook.remove()
+    state.guards = []
 
 
 # --- ownership and removal ---------------------------------------------------------------------
-
-# Base model -> how many GroupOffloadPatchers (the node's clone and every clone of it) can drive its handle.
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
-# Every GroupOffloadPatcher alive (each passes through ``own_handle``): a patcher not in it is a plain one.
-_OFFLOAD_PATCHERS: "weakref.WeakSet[ModelPatcher]" = weakref.WeakSet()
-
 
 def own_handle(patcher: ModelPatcher) -> None:
     """Remove the handle once the last GroupOffloadPatcher of its model is garbage-collected.
@@ -238,16 +229,16 @@ def own_handle(patcher: ModelPatcher) -> None:
     it lives no longer for it, and is still there to unpin when both go in one garbage collection.
     """
     model = patcher.model
-    _OFFLOAD_PATCHERS.add(patcher)
-    _OWNERS[model] = _OWNERS.get(model, 0) + 1
+    state = state_of(model)
+    state.offload_patchers.add(patcher)
+    state.owners += 1
     weakref.finalize(patcher, _disown_handle, model).atexit = False
 
 
 def _disown_handle(model: nn.Module) -> None:
-    owners = _OWNERS.pop(model, 1) - 1
-    if owners:
-        _OWNERS[model] = owners
-    else:
+    state = state_of(model)
+    state.owners = max(0, state.owners - 1)
+    if not state.owners:
         remove_handle(model)
 
 
@@ -257,20 +248,18 @@ def remove_handle(base_model: nn.Module) -> None:
     handle = handle_of(blocks[0]) if blocks else None
     if handle is not None:
         handle.remove()
-    for hook in _GUARDS.pop(base_model.diffusion_model, []):
-        hook.remove()
-    _HANDLES.pop(base_model, None)
+    state = state_of(base_model)
+    _remove_guards(state)
+    state.handle = state.built_with = state.host_limit = None
 
 
 # --- pins past ComfyUI's limit -----------------------------------------------------------------
 
-# Diffusion model -> when its handle last started a sampling run (a counter): the least recent gives its pins up first.
-_LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _runs_started = itertools.count(1)
 
 
-def mark_run_started(diffusion_model: nn.Module) -> None:
-    _LAST_RUN[diffusion_model] = next(_runs_started)
+def mark_run_started(base_model: nn.Module) -> None:
+    state_of(base_model).run_started = next(_runs_started)
 
 
 def _make_pin_room(nbytes: int, keep: nn.Module | None) -> bool:
@@ -293,8 +282,8 @@ def _pin_shortfall(nbytes: int) -> int:
 
 
 def _handles_giving_pins_first(keep: nn.Module | None) -> list[GroupOffloadHandle]:
-    loaded = {id(getattr(m.model.model, "diffusion_model", None)) for m in mm.current_loaded_models if m.model is not None}
-    others = [m for m in list(_GUARDS) if m is not keep]  # every other diffusion model with a handle
-    others.sort(key=lambda m: (id(m) in loaded, _LAST_RUN.get(m, 0)))
-    handles = [handle_of(find_blocks(m)[0]) for m in others]
+    loaded = {id(m.model.model) for m in mm.current_loaded_models if m.model is not None}
+    others = [(m, state) for m, state in every_state() if state.guards and m is not keep]  # the others with a handle
+    others.sort(key=lambda item: (id(item[0]) in loaded, item[1].run_started))
+    handles = [handle_of(find_blocks(m.diffusion_model)[0]) for m, _ in others]
     return [h for h in handles if h is not None]

@@ -10,7 +10,6 @@ gives the groups left in place their page cache at each run.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import psutil
@@ -22,22 +21,25 @@ import comfy.model_management as mm
 from ..offload_core import (FileMappings, GroupOffloadHandle, device_footprint, flatten, packed_nbytes, plan_residency,
                             split_into_groups)
 from ..offload_core.hostlimits import cgroup_limits
+from .model_state import state_of
 from .settings import GB, OffloadSettings
 
 # ComfyUI's sampler runs cond and uncond as one call only while 1.5 × that call's estimated memory is
 # free (``samplers._calc_cond_batch``); with less, each streamed group is copied once per half.
 BATCH_ROOM = 1.5
 
-# Base model -> ComfyUI's estimate of the device memory the forwards of its last sampling run hold
-# (from the latent's shape: the memory_required that _prepare_sampling passes to load_models_gpu).
-RUN_ACTIVATIONS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+def run_activations(base_model: nn.Module) -> int:
+    """ComfyUI's estimate of the device memory the forwards of ``base_model``'s last sampling run hold (from the
+    latent's shape: the memory_required that _prepare_sampling passes to load_models_gpu); 0 before any run."""
+    return state_of(base_model).run_activations or 0
 
 
 def inference_reserve(base_model: nn.Module) -> float:
     """Device memory ``auto`` leaves free: the room ComfyUI's sampler asks for before it batches the
     run's conds (``BATCH_ROOM`` × the run's activations) and its extra reserve, never less than its
     minimum inference reserve. Batching comes before residency, as under Dynamic VRAM."""
-    activations = BATCH_ROOM * RUN_ACTIVATIONS.get(base_model, 0)
+    activations = BATCH_ROOM * run_activations(base_model)
     return max(mm.minimum_inference_memory(), activations + mm.extra_reserved_memory())
 
 
@@ -204,5 +206,5 @@ def page_cache_room(handle: GroupOffloadHandle, base_model: nn.Module) -> HostRo
     to_come = 0
     if handle.config.onload_device.type == "cpu":
         to_come = max(0, handle.device_bytes_needed() - handle.stats()["slab_bytes"])
-        to_come += RUN_ACTIVATIONS.get(base_model, 0)
+        to_come += run_activations(base_model)
     return HostRoom(max(0, tightest.bytes - to_come), tightest.bound_by)

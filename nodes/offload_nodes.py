@@ -153,7 +153,7 @@ class GroupOffloadReport:
         if not isinstance(model, GroupOffloadPatcher):
             raise ValueError("Group Offload Report needs a model from Group Offload (no copy-back) or "
                              "Load Diffusion Model (Group Offload)")
-        stats = last_run(model.model.diffusion_model)
+        stats = last_run(model.model)
         if stats is None:
             raise ValueError("Group Offload Report: this model has not been sampled yet; connect the samples "
                              "of the KSampler that used it")

@@ -28,7 +28,8 @@ the GPU, when it runs out (``offload_core.call_backing_off``): a group's forward
 part-way, and the same call computes the same output. The fallback holds for the rest of the run.
 
 The rooms beside this one: ``handles.py`` (the handle's life in ComfyUI), ``lora.py`` (patches on the
-device), ``memory.py`` (the byte budget), ``settings.py`` (the node's inputs).
+device), ``memory.py`` (the byte budget), ``settings.py`` (the node's inputs), ``model_state.py`` (what is kept
+per model).
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ from .blocks import block_list_owners, block_list_paths, find_blocks, refuse_wei
 from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
                       warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
-from .memory import (RUN_ACTIVATIONS, module_bytes, page_cache_room, plan_blocks, raw_group_bytes, room_now,
-                     room_on_the_card)
+from .memory import module_bytes, page_cache_room, plan_blocks, raw_group_bytes, room_now, room_on_the_card
+from .model_state import ModelState, state_of
 from .sampling_run import apply_model_backing_off, log_back_offs, plan_for_the_run, refuse_cuda_graphs
 from .settings import OffloadSettings
 from .telemetry import finish_run, post_cfg_step, start_run
@@ -147,10 +148,7 @@ class GroupOffloadPatcher(ModelPatcher):
             handle.onload_resident()
         # ComfyUI 0.3.75's ModelSave loads with patched weights, then reads the model's own state dict: its
         # next read gives the blocks' weights as this load patched them.
-        if force_patch_weights:
-            _READ_AFTER_LOAD[self.model.diffusion_model] = weakref.ref(self)
-        else:
-            _READ_AFTER_LOAD.pop(self.model.diffusion_model, None)
+        state_of(self.model).read_after_load = weakref.ref(self) if force_patch_weights else None
         self.model.model_loaded_weight_memory = other_bytes + handle.device_bytes_needed()
         self.model.model_lowvram = False
         stats = handle.stats()
@@ -191,7 +189,7 @@ class GroupOffloadPatcher(ModelPatcher):
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if not unpatch_weights:
             return super().unpatch_model(device_to, unpatch_weights)
-        _READ_AFTER_LOAD.pop(self.model.diffusion_model, None)
+        state_of(self.model).read_after_load = None
         self._release_handle_memory()
         # ComfyUI restores the patched weights, then moves the whole model to ``device_to``. The blocks
         # are the handle's to place, and a quantized layer's ``.to()`` would give it a new Parameter,
@@ -243,17 +241,17 @@ class GroupOffloadPatcher(ModelPatcher):
         super().pre_run()
         refuse_cuda_graphs(self.model_options)
         handle = self.current_handle()
-        mark_run_started(self.model.diffusion_model)
+        mark_run_started(self.model)
         self._run_reads.close()
         if handle is not None:
             self._run_reads.enter_context(handle.reading_sources())  # a writer a lease holds waits for the run
             handle.pin_streamed()  # takes back, from the models run longer ago, pins given up while this one waited
             _keep_page_cache(handle, self.model)
-            start_run(self.model.diffusion_model, handle, self.offload_settings.node_id,
-                      cpu_only=torch.device(self.load_device).type == "cpu", host_limit=host_limit(handle))
+            start_run(self.model, handle, self.offload_settings.node_id,
+                      cpu_only=torch.device(self.load_device).type == "cpu", host_limit=host_limit(self.model))
 
     def cleanup(self):
-        log_back_offs(finish_run(self.model.diffusion_model))
+        log_back_offs(finish_run(self.model))
         self._run_reads.close()
         super().cleanup()
 
@@ -323,8 +321,9 @@ class GroupOffloadPatcher(ModelPatcher):
         if handle is not None and self._fits(handle, self.load_device):  # (else ``load`` builds a new one)
             handle.check_sources()
         backed_off = handle is not None and handle.backed_off
-        replan = self.offload_settings.residency == "auto" and RUN_ACTIVATIONS.get(self.model) != activation_bytes
-        RUN_ACTIVATIONS[self.model] = activation_bytes
+        state = state_of(self.model)
+        replan = self.offload_settings.residency == "auto" and state.run_activations != activation_bytes
+        state.run_activations = activation_bytes
         if backed_off or replan:
             self._release_handle_memory()
             self.model.model_lowvram = True  # so that load_models_gpu calls load(), which plans for this run
@@ -350,7 +349,7 @@ class GroupOffloadPatcher(ModelPatcher):
 
     def _fits(self, handle: GroupOffloadHandle, device: torch.device) -> bool:
         """Whether ``handle`` is built for these settings and ``device`` (else ``handle`` builds a new one)."""
-        return (built_for(handle) == self.offload_settings.handle_layout()
+        return (built_for(self.model) == self.offload_settings.handle_layout()
                 and handle.config.onload_device == torch.device(device))
 
     def _release_handle_memory(self) -> int:
@@ -397,31 +396,30 @@ class GroupOffloadPatcher(ModelPatcher):
 
 # --- the blocks in the model's own state dict --------------------------------------------------------
 
-# Diffusion model -> the patcher reading its state dict now (None: only its keys are read).
-_READING: "weakref.WeakKeyDictionary[nn.Module, weakref.ref | None]" = weakref.WeakKeyDictionary()
-# Diffusion model -> the patcher whose ``load(force_patch_weights=True)`` patched it, for the next read.
-_READ_AFTER_LOAD: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+def _nobody() -> None:
+    """The reader of a state dict of which only the keys are read."""
+    return None
 
 
 @contextlib.contextmanager
 def _reading(base_model: nn.Module, patcher: GroupOffloadPatcher | None) -> Iterator[None]:
     """While ``patcher`` (None: nobody, only keys are read) reads ``base_model``'s state dict; the outermost wins."""
-    diffusion_model = base_model.diffusion_model
-    if diffusion_model in _READING:
+    state = state_of(base_model)
+    if state.reading is not None:
         yield
         return
-    _READING[diffusion_model] = None if patcher is None else weakref.ref(patcher)
+    state.reading = _nobody if patcher is None else weakref.ref(patcher)
     try:
         yield
     finally:
-        _READING.pop(diffusion_model, None)
+        state.reading = None
 
 
-def _blocks_in_state_dict(diffusion_model: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """The diffusion model's state-dict hook: the blocks' entries become the weights ComfyUI would see (the
-    reading patcher's ``_block_weights``, patched if its load patched the model), when a patcher reads."""
-    after_load = _READ_AFTER_LOAD.pop(diffusion_model, None)
-    reader = _READING[diffusion_model] if diffusion_model in _READING else after_load
+def _blocks_in_state_dict(model_state: ModelState, state: dict, prefix: str) -> None:
+    """The blocks' entries of the diffusion model's state dict become the weights ComfyUI would see (the reading
+    patcher's ``_block_weights``, patched if its load patched the model), when a patcher reads."""
+    after_load, model_state.read_after_load = model_state.read_after_load, None
+    reader = model_state.reading if model_state.reading is not None else after_load
     patcher = None if reader is None else reader()
     if patcher is None:
         return
@@ -431,19 +429,23 @@ def _blocks_in_state_dict(diffusion_model: nn.Module, state: dict, prefix: str, 
         state[keys[key]] = weight
 
 
-_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+def _hook_state_dict(base_model: nn.Module) -> None:
+    """A state-dict hook on ``base_model``'s diffusion model, once, for ``_blocks_in_state_dict``. It holds the
+    model's state, never the model, and does nothing for a deep copy of the diffusion model (which has the hook)."""
+    model_state = state_of(base_model)
+    if model_state.state_dict_hooked:
+        return
+    model_state.state_dict_hooked = True
+    hooked = weakref.ref(base_model.diffusion_model)
 
+    def blocks_in_state_dict(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        if module is hooked():
+            _blocks_in_state_dict(model_state, state, prefix)
 
-def _hook_state_dict(diffusion_model: nn.Module) -> None:
-    if diffusion_model not in _HOOKED:
-        _HOOKED.add(diffusion_model)
-        diffusion_model.register_state_dict_post_hook(_blocks_in_state_dict)
+    base_model.diffusion_model.register_state_dict_post_hook(blocks_in_state_dict)
 
 
 # --- making one -----------------------------------------------------------------------------------
-
-# Dynamic model (shared by all its clones) -> its non-dynamic twin, as ``clone(model_override=...)`` takes it.
-_NON_DYNAMIC_TWINS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _keep_page_cache(handle: GroupOffloadHandle, base_model: nn.Module) -> None:
@@ -468,12 +470,12 @@ def _non_dynamic_clone(model: ModelPatcher) -> ModelPatcher:
     does for one patcher), so that host memory holds them once however often the node runs.
     """
     try:
-        clone = model.clone(disable_dynamic=True, model_override=_NON_DYNAMIC_TWINS.get(model.model))
+        clone = model.clone(disable_dynamic=True, model_override=state_of(model.model).non_dynamic_twin)
     except RuntimeError as error:
         raise ValueError("Group Offload needs this model without Dynamic VRAM and its loader cannot provide "
                          "that; load it with Load Diffusion Model (Group Offload), which reads the file without "
                          "Dynamic VRAM") from error
-    _NON_DYNAMIC_TWINS[model.model] = clone.get_clone_model_override()
+    state_of(model.model).non_dynamic_twin = clone.get_clone_model_override()
     return clone
 
 
@@ -508,7 +510,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     clone.offload_settings = settings
     clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     own_handle(clone)
-    _hook_state_dict(clone.model.diffusion_model)
+    _hook_state_dict(clone.model)
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     for kind, wrapper in _WRAPPERS.items():

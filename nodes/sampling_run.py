@@ -15,7 +15,7 @@ import comfy.sampler_helpers
 from ..offload_core import GroupOffloadHandle, call_backing_off, format_bytes
 from .compiler import close_half_open, is_out_of_memory
 from .handles import handle_for_model
-from .memory import RUN_ACTIVATIONS
+from .memory import run_activations
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _what_would_fit(base_model: nn.Module, handle: GroupOffloadHandle) -> str:
     held = handle.residency().device_bytes + other_weights
     total = mm.get_total_memory(handle.config.onload_device)
     room = total - held - mm.extra_reserved_memory()
-    activations = RUN_ACTIVATIONS.get(base_model, 0)
+    activations = run_activations(base_model)
     if activations > room > 0:
         fits = (f"so a latent of about {room / activations:.0%} of this one's size would fit: lower the resolution, "
                 f"the frame count or the batch size")

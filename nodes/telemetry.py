@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from ..offload_core import GroupOffloadHandle, packed_nbytes
+from .model_state import state_of
 
 EVENT = "group_offload.telemetry"
 MAX_MESSAGES_PER_SECOND = 4
@@ -162,39 +162,37 @@ def send(payload: dict[str, Any]) -> None:
         instance.send_sync(EVENT, payload, instance.client_id)
 
 
-_RUNS: "weakref.WeakKeyDictionary[nn.Module, RunTelemetry]" = weakref.WeakKeyDictionary()
-_LAST_RUN: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
-
-
-def start_run(diffusion_model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool,
+def start_run(model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool,
               host_limit: str | None = None) -> None:
-    finish_run(diffusion_model)
+    """Open a sampling run of ``model`` (a patcher's ``model``), closing the one still open."""
+    finish_run(model)
     handle.reset_stats()
-    _RUNS[diffusion_model] = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle),
-                                          host_dequantized_bytes(handle), host_limit=host_limit)
+    state_of(model).run = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle),
+                                       host_dequantized_bytes(handle), host_limit=host_limit)
 
 
-def step_done(diffusion_model: nn.Module) -> None:
-    run = _RUNS.get(diffusion_model)
+def step_done(model: nn.Module) -> None:
+    run = state_of(model).run
     if run is not None:
         run.on_step()
 
 
 def post_cfg_step(args: dict[str, Any]) -> torch.Tensor:
     """A ComfyUI ``sampler_post_cfg_function``: marks the end of a step, returns the result unchanged."""
-    step_done(args["model"].diffusion_model)
+    step_done(args["model"])
     return args["denoised"]
 
 
-def finish_run(diffusion_model: nn.Module) -> dict[str, Any] | None:
+def finish_run(model: nn.Module) -> dict[str, Any] | None:
     """Close the open sampling run of this model, if any; returns its final figures."""
-    run = _RUNS.pop(diffusion_model, None)
+    state = state_of(model)
+    run, state.run = state.run, None
     if run is None:
         return None
-    _LAST_RUN[diffusion_model] = run.finish()
-    return _LAST_RUN[diffusion_model]
+    state.last_run = run.finish()
+    return state.last_run
 
 
-def last_run(diffusion_model: nn.Module) -> dict[str, Any] | None:
+def last_run(model: nn.Module) -> dict[str, Any] | None:
     """The final figures of the last sampling run of this model, if any."""
-    return _LAST_RUN.get(diffusion_model)
+    return state_of(model).last_run

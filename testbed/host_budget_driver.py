@@ -242,7 +242,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "page_cache": cached,
         "in_place_group_bytes": [] if spec["via"] == "plain" else
         [group.nbytes for group in offload_handle(model).groups if not group.mirror.packed],
-        "host_limit": None if spec["via"] == "plain" else pack_module("nodes.handles").host_limit(offload_handle(model)),
+        "host_limit": None if spec["via"] == "plain" else pack_module("nodes.handles").host_limit(model.model),
         **({"box_stats": calls.box_stats, "box_peak_bytes": int((box / "memory.max_usage_in_bytes").read_text())}
            if box is not None else {}),
         "versions": {"comfyui": comfyui_version(), "torch": torch.__version__},

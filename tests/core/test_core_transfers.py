@@ -197,6 +197,9 @@ class ThreadedRuntime:
     def host_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
+    def capturing(self) -> bool:
+        return False
+
     def submit(self, job) -> Future:
         def run():
             self._started.wait()

@@ -281,7 +281,7 @@ def test_the_readout_names_the_gguf_types_and_counts_the_gguf_bytes_per_step(ggu
     kind = "qwen_image"
     model = offload(load_gguf(kind), prefetch=0)  # (no group copied ahead past the last step)
     sample(model, kind)
-    run = pack_module("nodes.telemetry").last_run(model.model.diffusion_model)
+    run = pack_module("nodes.telemetry").last_run(model.model)
     reader = gguf_files.gguf.GGUFReader(gguf_models / file_name(kind))
     in_blocks = {f"GGUF {gguf_files.QType(t.tensor_type).name}" for t in reader.tensors
                  if t.name.startswith("transformer_blocks.")
@@ -305,7 +305,7 @@ def test_types_dequantized_on_the_host_run_as_without_the_node_and_the_readout_c
     plain = sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
     model = offload(node("UnetLoaderGGUF", unet_name=path.name))
     assert torch.equal(sample(model, "qwen_image"), plain)
-    run = pack_module("nodes.telemetry").last_run(model.model.diffusion_model)
+    run = pack_module("nodes.telemetry").last_run(model.model)
     assert on_the_host and run["host_dequantized_bytes_per_pass"] == sum(on_the_host.values())
 
 
