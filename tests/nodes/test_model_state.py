@@ -7,9 +7,9 @@ import weakref
 
 import torch
 
-from run_nodes import run_node, run_txt2img
-from test_nodes import load_offloaded, load_plain, models, offload, offload_handle  # noqa: F401  (models: fixture)
-from pack_modules import pack_module
+from testbed.run_nodes import run_node, run_txt2img
+from testbed.node_runs import load_offloaded, load_plain, offload, offload_handle
+from testbed.pack_modules import pack_module
 
 
 def with_shift(model, shift: float):
