@@ -76,8 +76,8 @@ CASES = {
 # --------------------------------------------------------------------------------------------
 
 def _boot(case: ModelCase, base_dir: Path) -> str:
-    from comfy_boot import boot_comfyui_in_process
-    from fixture_models import make_tiny_qwen_image, populate_models, use_models_in_process
+    from testbed.comfy_boot import boot_comfyui_in_process
+    from testbed.fixture_models import make_tiny_qwen_image, populate_models, use_models_in_process
 
     boot_comfyui_in_process(cpu=True)
     models = populate_models(base_dir)
@@ -89,7 +89,7 @@ def _boot(case: ModelCase, base_dir: Path) -> str:
 
 
 def _builders(unet_name: str) -> dict[str, Callable[[], Any]]:
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     def plain():
         return run_node("UNETLoader", unet_name=unet_name, weight_dtype="default").outputs[0]
@@ -107,7 +107,7 @@ def _builders(unet_name: str) -> dict[str, Callable[[], Any]]:
 
 def _timed_run(model: Any, case: ModelCase) -> tuple[float, float, torch.Tensor]:
     """One sampling run: its wall time, the mean time of one diffusion-model call (one step), its latent."""
-    from run_nodes import run_txt2img
+    from testbed.run_nodes import run_txt2img
 
     forwards = ForwardLog(model.model.diffusion_model, lambda: None)
     started = time.perf_counter()

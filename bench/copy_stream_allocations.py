@@ -1,5 +1,5 @@
 """Allocations made while the copy stream was current, per step, with a low-rank patch on three weights
-(issue 32, item 3), counted by the stream checker (``tests/stream_checker.py``'s ``allocations_on``): no GPU needed.
+(issue 32, item 3), counted by the stream checker (``testbed/stream_checker.py``'s ``allocations_on``): no GPU needed.
 
 Under cudaMallocAsync a block freed on the copy stream can be handed to the compute stream, which the driver then
 orders after the copy stream's later work; so the copy stream should allocate nothing.
@@ -13,11 +13,11 @@ import logging
 import tempfile
 from pathlib import Path
 
-import bench_paths  # noqa: F401  (tests/ and the repository root on sys.path)
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 import torch
 
-from stream_checker import StreamChecker
-from test_core_patch_stream import PATCHED, LowRankPatch, offloaded_on_a_route
+from testbed.stream_checker import StreamChecker
+from testbed.core_faults import PATCHED, LowRankPatch, offloaded_on_a_route
 
 log = logging.getLogger("copy_stream_allocations")
 

@@ -46,7 +46,7 @@ import hook_overhead
 from bench_paths import REPO_ROOT
 from copy_back import CopyBackOffload
 from cost_model import pass_seconds
-from host_memory import peak_rss_bytes, reset_peak, rss_bytes
+from testbed.host_memory import peak_rss_bytes, reset_peak, rss_bytes
 from offload_core.mirror import ALIGNMENT
 from cpu_report import cpu_section
 from reporting import replace_section
@@ -151,15 +151,15 @@ class ForwardLog:
 
 
 def _model_file(case: ModelCase) -> Path:
-    from fixture_models import full_width_qwen_image_file, tiny_qwen_image_file
+    from testbed.fixture_models import full_width_qwen_image_file, tiny_qwen_image_file
 
     return full_width_qwen_image_file(case.layers) if case.full_width else tiny_qwen_image_file(case.layers)
 
 
 def _boot(case: ModelCase, base_dir: Path) -> str:
     """ComfyUI in this process, finding the case's model file as ``unet_name``; returns that name."""
-    from comfy_boot import boot_comfyui_in_process
-    from fixture_models import populate_models, use_models_in_process
+    from testbed.comfy_boot import boot_comfyui_in_process
+    from testbed.fixture_models import populate_models, use_models_in_process
 
     path = _model_file(case)
     boot_comfyui_in_process(cpu=True)
@@ -180,13 +180,13 @@ def _group_bytes(block: nn.Module) -> int:
 
 
 def _conditioning(case: ModelCase, seed: int) -> list:
-    from run_nodes import make_test_conditioning
+    from testbed.run_nodes import make_test_conditioning
 
     return make_test_conditioning(seed, case.text_tokens, case.joint_dim)
 
 
 def _sample(model: Any, case: ModelCase, steps: int) -> None:
-    from run_nodes import run_txt2img
+    from testbed.run_nodes import run_txt2img
 
     run_txt2img(model, steps=steps, cfg=CFG, width=case.size, height=case.size,
                 positive=_conditioning(case, 1), negative=_conditioning(case, 2))
@@ -194,7 +194,7 @@ def _sample(model: Any, case: ModelCase, steps: int) -> None:
 
 def _load(loader: str, unet_name: str, **inputs: Any) -> tuple[Any, dict[str, float]]:
     """Run a loader node; the model and the RSS (net of before) while and after loading."""
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     gc.collect()
     before = rss_bytes()
@@ -216,7 +216,7 @@ def _unload_all() -> None:
 
 def _prepare(plain: Any, mode: Mode, group_bytes: int) -> tuple[Any, Callable[[], Any], Callable[[], None]]:
     """The MODEL to sample for ``mode``, where its ledger is, and how to undo the mode."""
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     blocks = plain.model.diffusion_model.transformer_blocks
     if mode.copy_back:

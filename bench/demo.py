@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-import bench_paths  # noqa: F401  (puts tests/ on sys.path)
-from comfy_boot import ARTIFACTS_DIR
-from live_server import ComfyServer, txt2img_workflow
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
+from testbed.comfy_boot import ARTIFACTS_DIR
+from testbed.live_server import ComfyServer, txt2img_workflow
 
 REPORT_ID = "11"
 

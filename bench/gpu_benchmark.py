@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-import bench_paths  # noqa: F401  (tests/ and the repository root on sys.path)
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 from gpu.runner import main
 
 if __name__ == "__main__":

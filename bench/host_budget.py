@@ -1,7 +1,7 @@
 """Host budget (issue 23): a model bigger than the RAM it may take, on the CPU.
 
-The 458 MB float32 Qwen-Image-shaped model of ``tests/test_host_budget.py`` (12 blocks of 37.8 MB),
-loaded and sampled in a fresh process per configuration (``tests/host_budget_driver.py``): this pack's
+The 458 MB float32 Qwen-Image-shaped model of ``tests/bench/test_host_budget.py`` (12 blocks of 37.8 MB),
+loaded and sampled in a fresh process per configuration (``testbed/host_budget_driver.py``): this pack's
 loader (Load Diffusion Model (Group Offload)) at host budgets of 100, 50, 25 and 0 % of the model file,
 Load Diffusion Model + the Group Offload node at the same budgets, and plain ComfyUI (Load Diffusion
 Model, no offloading); every group streamed (``stream_all``, prefetch 1), 1 warm-up step and 6 timed
@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-import bench_paths  # noqa: F401  (puts tests/ and the repository root on sys.path)
-from comfy_boot import comfyui_path, comfyui_version
-from fixture_models import ModelDir, tiny_qwen_image_file
-from host_budget_driver import DROP_CACHES, run_in_fresh_process
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
+from testbed.comfy_boot import comfyui_path, comfyui_version
+from testbed.fixture_models import ModelDir, tiny_qwen_image_file
+from testbed.host_budget_driver import DROP_CACHES, run_in_fresh_process
 from reporting import fmt, markdown_table, replace_section
-from test_host_budget import GiB, MODEL, UNET_NAME
+from testbed.host_budget_driver import GiB, MODEL, UNET_NAME
 
 log = logging.getLogger("host_budget")
 

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-import bench_paths  # noqa: F401  (puts tests/ and the repository root on sys.path)
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 from host_budget import MB, STEPS, machine, model_dir, versions
-from host_budget_driver import run_in_fresh_process
+from testbed.host_budget_driver import run_in_fresh_process
 from reporting import fmt, markdown_table, replace_section
-from test_host_budget import UNET_NAME
+from testbed.host_budget_driver import UNET_NAME
 
 log = logging.getLogger("host_budget_box")
 

@@ -1,4 +1,4 @@
-"""Pins per sampling run (issue 32, item 2), counted by the CUDA stand-in (``tests/stream_checker.py``'s
+"""Pins per sampling run (issue 32, item 2), counted by the CUDA stand-in (``testbed/stream_checker.py``'s
 ``CheckedCudart``, a ``FakeCudart`` that records every successful call): no GPU needed.
 
 A run is what the nodes do per sampling run: ``handle.pin_streamed()`` (the patcher's ``pre_run``) and a
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 
-import bench_paths  # noqa: F401  (tests/ and the repository root on sys.path)
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 import torch
 
 from offload_core import apply_group_offload, call_backing_off
-from stream_checker import StreamChecker
-from test_core_backoff import out_of_memory_inside
-from test_core_engine import make_pair
+from testbed.stream_checker import StreamChecker
+from testbed.core_faults import out_of_memory_inside
+from testbed.core_models import make_pair
 
 log = logging.getLogger("pins_per_run")
 

@@ -10,7 +10,7 @@ first load.
 
     python3 bench/soak.py --runs 200      # writes the "Soak" section of BENCHMARKS.md
 
-``tests/test_soak.py`` runs a short soak through :func:`soak` in the suite.
+``tests/bench/test_soak.py`` runs a short soak through :func:`soak` in the suite.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-import bench_paths  # noqa: F401  (puts tests/ on sys.path)
-from live_server import ComfyServer
-from lora_fixture import make_lora
+import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
+from testbed.live_server import ComfyServer
+from testbed.lora_fixture import make_lora
 from reporting import markdown_table, replace_section
 
 log = logging.getLogger("soak")

@@ -5,7 +5,7 @@ Cosmos 1) of modules of one class that each hold at least a tenth of the model's
 most of them, in the order in which the model registers them.  Lists inside a submodule count only
 where that submodule holds most of the weights (a wrapper of the trunk, not an embedder or a refiner
 with blocks of its own).  For the DiTs ComfyUI ships, registration order is the order of the lists'
-first block calls in a forward (``tests/test_block_finder.py`` traces each).
+first block calls in a forward (``tests/nodes/test_block_finder.py`` traces each).
 ``_EXCEPTIONS`` holds the classes for which the rule would be wrong, each with the reason. How a model
 calls its blocks (their ``forward``, other methods, their parts one by one) needs no entry here: the
 handle learns it at the first call (``offload_core.hooks.PartWrappers``).

@@ -1,7 +1,7 @@
 """The device operations behind the engine's stream choreography, in one small object.
 
 ``CudaRuntime`` is plain ``torch.cuda``. The tests pass a CPU stand-in with the same methods that
-checks every cross-stream access for a happens-before order (``tests/stream_checker.py``).
+checks every cross-stream access for a happens-before order (``testbed/stream_checker.py``).
 """
 from __future__ import annotations
 

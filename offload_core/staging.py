@@ -9,7 +9,7 @@ worker copies the group's bytes into the next buffer (a host-to-host copy; for a
 from the page cache or the disk) and queues the copy from it to the device on the copy stream, while
 the host thread goes on launching kernels. A buffer is written again only once the worker has waited
 for the copy that read it (its "sent" event): the one cross-stream rule here, checked by
-``tests/stream_checker.py``.
+``testbed/stream_checker.py``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ many as it takes for a group's read to be done by its turn: ``TransferLedger.loo
 copy per group over the compute per group as measured so far (the compute timed on the compute stream
 where groups are read ahead), recomputed at each gather, at most the staging ring's slots, at least 1.
 
-Stream choreography on CUDA (the only cross-stream ordering there is; ``tests/stream_checker.py``
+Stream choreography on CUDA (the only cross-stream ordering there is; ``testbed/stream_checker.py``
 proves it on every test run):
 
 - ``group.ready``  recorded on the copy stream after the copy into the slab; the compute stream waits

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import gguf_files
-import gpu_decisions
-from comfy_boot import REPO_ROOT, boot_comfyui_in_process, comfyui_path, comfyui_version
-from deprecations import pack_deprecations
-from fake_cudart import FakeCudart, install as install_fake_cudart
-from fixture_models import (
+from testbed import gguf_files
+from testbed import gpu_decisions
+from testbed.comfy_boot import REPO_ROOT, boot_comfyui_in_process, comfyui_path, comfyui_version
+from testbed.deprecations import pack_deprecations
+from testbed.fake_cudart import FakeCudart, install as install_fake_cudart
+from testbed.fixture_models import (
     FULL_WIDTH_QWEN_NAME,
     ModelDir,
     full_width_qwen_image_file,
@@ -25,8 +25,12 @@ from fixture_models import (
     tiny_wan_vae_file,
     use_models_in_process,
 )
-from live_server import ComfyServer, find_chromium
-from stream_checker import StreamChecker
+from testbed.live_server import ComfyServer, find_chromium
+from testbed.stream_checker import StreamChecker
+
+
+# Fixtures the test bed defines beside its helpers: models, device (node_runs); gguf_models (gguf_runs).
+pytest_plugins = ["testbed.node_runs", "testbed.gguf_runs"]
 
 
 class _RepositoryIsNotATestPackage:

@@ -20,8 +20,8 @@ def start_comfyui(config: BenchConfig, dynamic: bool) -> str:
     patcher and the global switch, as main.py does by default. Without CUDA (``--smoke``) ComfyUI
     runs ``--cpu``, which switches Dynamic VRAM off in main.py too.
     """
-    from comfy_boot import boot_comfyui_in_process, prepare_comfy_import
-    from fixture_models import widen_qwen_detection
+    from testbed.comfy_boot import boot_comfyui_in_process, prepare_comfy_import
+    from testbed.fixture_models import widen_qwen_detection
 
     prepare_comfy_import(cpu=config.smoke)
     if dynamic and not config.smoke:
@@ -69,7 +69,7 @@ def _call_first_accepted(function: Callable[..., Any], *keyword_sets: dict[str, 
 
 def comfy_allocator_env() -> dict[str, str]:
     """``PYTORCH_CUDA_ALLOC_CONF`` as ComfyUI's main.py sets it (its ``cuda_malloc`` module decides)."""
-    from comfy_boot import comfyui_path
+    from testbed.comfy_boot import comfyui_path
 
     probe = ("import os, sys; sys.path.insert(0, sys.argv[1]); import cuda_malloc; "
              "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")

@@ -31,7 +31,7 @@ class BenchConfig:
     compile_cap_bytes: int = 12 * GIB  # about half of the 20 blocks stream
     # TorchCompileModel's backend. --smoke takes aot_eager: dynamo traces the same graphs through the same hooks
     # (every row's code path), without inductor's cold C++ compile on the CPU, seconds instead of a minute a row;
-    # inductor on the pack's hooks is tested in tests/test_compile.py.
+    # inductor on the pack's hooks is tested in tests/nodes/test_compile.py.
     compile_backend: str = "inductor"
     box_blocks: int = 60  # the box family's fp8 file: 60 blocks are full-size Qwen-Image, 20.4 GB
     # (RAM, card) pairs of the user's machines: 32 GB with a 16 GiB card, 16 GB with a 12 GiB card.

@@ -1,6 +1,6 @@
 """Model files the size users run, written on the machine's local disk, streamed tensor by tensor so that a
 20 GB file never sits in memory: ComfyUI's Qwen-Image as an fp8 ``.safetensors`` and as a GGUF (Q8_0, or Q4_K
-from crafted blocks, as ``tests/gguf_files.py`` crafts them). The values are seeded and tiled from a pool
+from crafted blocks, as ``testbed/gguf_files.py`` crafts them). The values are seeded and tiled from a pool
 (``RandomWeights``; for GGUF, a pool of encoded blocks): their speed is what is measured, not their image."""
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def write_safetensors(path: Path, config: BenchConfig, dtype: torch.dtype) -> di
 
 
 def _gguf_tensors(config: BenchConfig, qtype: object) -> Iterator[tuple[str, torch.Size, object]]:
-    """Each tensor's name, shape and stored type, as ComfyUI-GGUF's converter decides (tests/gguf_files)."""
-    from gguf_files import QType, keeps_full_precision
+    """Each tensor's name, shape and stored type, as ComfyUI-GGUF's converter decides (testbed/gguf_files)."""
+    from testbed.gguf_files import QType, keeps_full_precision
 
     for name, shape in comfy_qwen_shapes(config).items():
         yield name, shape, QType.F32 if keeps_full_precision(name, torch.empty(shape, device="meta")) else qtype
@@ -78,7 +78,7 @@ def _gguf_tensors(config: BenchConfig, qtype: object) -> Iterator[tuple[str, tor
 
 def _block_pool(qtype: object) -> np.ndarray:
     """Encoded blocks of ``qtype`` for ``_POOL_ROWS`` rows of 256 seeded values, flat bytes."""
-    from gguf_files import encode
+    from testbed.gguf_files import encode
 
     values = torch.randn(_POOL_ROWS, 256, generator=torch.Generator().manual_seed(0)) * 0.02
     return np.ascontiguousarray(encode(values, qtype, np.random.default_rng(0))[0]).reshape(-1)

@@ -27,8 +27,8 @@ $PY -c "import torchsde, comfy_aimdo, comfy_kitchen, diffusers, gguf; print('Com
 TESTS_S=${TESTS_S:-60}; BENCH_S=${BENCH_S:-460}
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
   stage "CUDA tests"
-  if [[ $REH == 1 ]]; then SEL=(-m "not cuda and not slow and not browser" tests/test_core_engine.py); else SEL=(-m cuda tests); fi
-  timeout "$TESTS_S" $PY -m pytest -c tests/pytest.ini -q -p no:cacheprovider --ignore-glob='tests/test_browser*.py' \
+  if [[ $REH == 1 ]]; then SEL=(-m "not cuda and not slow and not browser" tests/core/test_core_engine.py); else SEL=(-m cuda tests); fi
+  timeout "$TESTS_S" $PY -m pytest -c tests/pytest.ini -q -p no:cacheprovider --ignore-glob='tests/server/test_browser*.py' \
     "${SEL[@]}" 2>&1 | tail -30
 fi
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from host_memory import peak_rss_bytes, reset_peak
+from testbed.host_memory import peak_rss_bytes, reset_peak
 
 from .balloon import Balloon
 from .config import ROWS, BenchConfig, Row, cap_label, emit
@@ -164,7 +164,7 @@ def _gather_note(stats: dict[str, Any], steps: int) -> str:
 
 def offload_node(plain: Any, settings: dict[str, Any]) -> Any:
     """This pack's node on ``plain``, as a user wires it."""
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     return run_node("GroupOffload", model=plain, blocks_per_group=1, resident_gb=0.0, **settings).outputs[0]
 

@@ -72,7 +72,7 @@ def comfy_qwen_on_meta(config: BenchConfig) -> nn.Module:
     """ComfyUI's Qwen-Image at this size on the meta device, every weight made (no memory)."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-    from fixture_models import qwen_rope_axes
+    from testbed.fixture_models import qwen_rope_axes
 
     with eager_weights():
         return QwenImageTransformer2DModel(num_layers=config.blocks, attention_head_dim=config.head_dim,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from copy_back import CopyBackOffload
-from host_memory import peak_rss_bytes, reset_peak
+from testbed.host_memory import peak_rss_bytes, reset_peak
 
 from ..balloon import Balloon
 from ..comfyui import start_comfyui
@@ -67,7 +67,7 @@ def copy_back_row(config: BenchConfig, balloon: Balloon, cap: int) -> None:
 
 
 def build_diffusers_model(config: BenchConfig) -> nn.Module:
-    from fixture_models import qwen_rope_axes
+    from testbed.fixture_models import qwen_rope_axes
     from diffusers import QwenImageTransformer2DModel
 
     dims = dict(num_layers=config.blocks, attention_head_dim=config.head_dim, num_attention_heads=config.heads,

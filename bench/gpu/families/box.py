@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from host_memory import reset_peak, rss_bytes
+from testbed.host_memory import reset_peak, rss_bytes
 
 from ..balloon import Balloon, HostBalloon, mem_available
 from ..comfyui import comfy_system, start_comfyui
@@ -85,7 +85,7 @@ def drop_page_cache(path: Path, smoke: bool) -> str:
 
 
 def load(system: str, name: str) -> Any:
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     if system == "this pack":
         return run_node("GroupOffloadLoader", unet_name=name, weight_dtype="default", blocks_per_group=1,

@@ -29,7 +29,7 @@ PACK_SETTINGS = dict(OFFLOAD_ROWS)["auto"]
 
 
 def _compiled(model: Any, backend: str) -> Any:
-    from run_nodes import run_node
+    from testbed.run_nodes import run_node
 
     return run_node("TorchCompileModel", model=model, backend=backend).outputs[0]
 

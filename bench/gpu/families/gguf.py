@@ -32,9 +32,9 @@ def _skip_all(rows: list[Row], config: BenchConfig, why: str) -> None:
 
 
 def gguf_family(config: BenchConfig, out: Path) -> None:
-    from comfy_boot import boot_comfyui_in_process
-    from gguf_files import QType, comfyui_gguf_missing, load_comfyui_gguf
-    from run_nodes import run_node
+    from testbed.comfy_boot import boot_comfyui_in_process
+    from testbed.gguf_files import QType, comfyui_gguf_missing, load_comfyui_gguf
+    from testbed.run_nodes import run_node
 
     start_comfyui(config, dynamic=True)
     missing = comfyui_gguf_missing()
