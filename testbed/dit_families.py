@@ -375,3 +375,12 @@ def save_tiny_file(tiny: TinyModel, path: Path) -> str:
     """``tiny`` with seeded weights, saved in its own keys; ComfyUI detects ``tiny``'s config from it."""
     save_with_detection(build(tiny).model.diffusion_model.state_dict(), tiny.config, tiny.saved_config(), path)
     return path.name
+
+
+# The tiny Flux and Wan 2.1 T2V with 16 latent channels: what the tiny Wan VAE decodes, as Flux's, Wan 2.2 14B's and
+# Qwen-Image's VAEs do, so that a whole workflow runs on them (the live server's stand-ins, the GGUF files).
+LATENT_CHANNELS = 16
+FLUX = dataclasses.replace(MODELS["flux"], unet_config={**MODELS["flux"].unet_config, "in_channels": LATENT_CHANNELS,
+                                                        "out_channels": LATENT_CHANNELS})
+WAN_T2V = dataclasses.replace(MODELS["wan21"], unet_config={**MODELS["wan21"].unet_config, "in_dim": LATENT_CHANNELS,
+                                                            "out_dim": LATENT_CHANNELS})

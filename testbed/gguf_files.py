@@ -10,7 +10,7 @@ SD1/SDXL only, never for these DiTs); 5-D tensors (Wan's patch embedding) are st
 ``fix_5d_tensors.py`` does.
 
 The values come from the tiny models the other tests use (:data:`SOURCES`): the four-block tiny Qwen-Image
-of ``fixture_models`` and the tiny Flux and Wan 2.1 T2V of ``stand_ins`` (16 latent channels). How a
+of ``fixture_models`` and the tiny Flux and Wan 2.1 T2V of ``dit_families`` (16 latent channels). How a
 tensor is stored:
 
 - F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (:data:`QUANTIZER_TYPES`): ``gguf.quants.quantize`` of the
@@ -260,11 +260,10 @@ def _qwen_image() -> dict[str, torch.Tensor]:
 
 def _stand_in(name: str) -> Callable[[], dict[str, torch.Tensor]]:
     def source() -> dict[str, torch.Tensor]:
-        from testbed import stand_ins
-        from testbed.dit_families import save_tiny_file
+        from testbed import dit_families
 
         path = FIXTURE_CACHE / f"gguf_source_{name}.{os.getpid()}.safetensors"
-        save_tiny_file(getattr(stand_ins, name), path)  # makes ComfyUI detect the model in this process
+        dit_families.save_tiny_file(getattr(dit_families, name), path)  # makes ComfyUI detect the model in this process
         try:
             return _load_safetensors(path)
         finally:

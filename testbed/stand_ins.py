@@ -7,7 +7,6 @@ bf16, generated once into ``.cache/fixtures``).
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,14 +22,9 @@ from testbed.fixture_models import (
 )
 from testbed import gguf_files
 from testbed.lora_fixture import make_lora
-from testbed.dit_families import MODELS, save_tiny_file
+from testbed.dit_families import FLUX, LATENT_CHANNELS, WAN_T2V, save_tiny_file
 
 ENV = "GROUP_OFFLOAD_STAND_INS"  # JSON {"<folder>/<file name>": "<kind>"}; the folder: a model folder or "input"
-LATENT_CHANNELS = 16  # what the tiny Wan VAE decodes, as Flux's, Wan 2.2 14B's and Qwen-Image's VAEs do
-FLUX = dataclasses.replace(MODELS["flux"], unet_config={**MODELS["flux"].unet_config, "in_channels": LATENT_CHANNELS,
-                                                        "out_channels": LATENT_CHANNELS})
-WAN_T2V = dataclasses.replace(MODELS["wan21"], unet_config={**MODELS["wan21"].unet_config, "in_dim": LATENT_CHANNELS,
-                                                            "out_dim": LATENT_CHANNELS})
 # The text width of each kind of diffusion model: the conditioning that stands in for its text encoder has it.
 TEXT_WIDTHS = {"qwen_image": 64, "qwen_image_gguf": 64, "flux": FLUX.unet_config["context_in_dim"],
                "wan_t2v": WAN_T2V.unet_config["text_dim"]}
