@@ -174,7 +174,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     state = state_of(base_model)
     _remove_guards(state)
     model_ref, handle_ref = weakref.ref(base_model), weakref.ref(handle)
-    learning = {"watch": None, "entered": 0, "done": False}
+    learning = {"entered": 0, "done": False}
     name = type(diffusion_model).__name__
 
     def outside_use(qualname: str) -> str:
@@ -188,17 +188,16 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_handle(model_ref())
             return
+        stop_watching(state)  # (one an interrupted call left, where its cleanup did not run)
         handle = handle_ref()
-        if handle is not None and not learning["done"] and learning["watch"] is None:
+        if handle is not None and not learning["done"]:
             learning["entered"] = handle.ledger_figures()["hook_calls"]
             if not torch.compiler.is_compiling():  # (torch.compile of the whole model traces this hook)
-                learning["watch"] = OutsideUseWatch(handle, outside_use).__enter__()
+                state.watch = OutsideUseWatch(handle, outside_use).__enter__()
 
     @torch.compiler.disable
     def after_call(module, args, output):
-        watch, learning["watch"] = learning["watch"], None
-        if watch is not None:
-            watch.__exit__(None, None, None)
+        stop_watching(state)
         handle = handle_ref()
         if handle is None:
             return
@@ -210,6 +209,20 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     state.handle = handle_ref
     state.guards = [diffusion_model.register_forward_pre_hook(before_call),
                     diffusion_model.register_forward_hook(after_call, always_call=True)]
+
+
+def stop_watching(state: ModelState) -> None:
+    """Take the watch of a call that learns the entries off the torch function mode stack.
+
+    The diffusion model's forward hook does it at the end of the call, but torch runs a forward hook after an
+    exception only for an ``Exception``: ComfyUI 0.33's ``InterruptProcessingException`` is a ``BaseException``,
+    raised inside a forward when the user interrupts. Then the sampler's ``cleanup`` (in its ``finally``, on the
+    same thread, with the call's own context managers unwound, so the watch is on top) does it; otherwise the watch
+    would stay on that thread's stack, holding the handle and seeing every torch call after it.
+    """
+    watch, state.watch = state.watch, None
+    if watch is not None:
+        watch.__exit__(None, None, None)
 
 
 def _remove_guards(state: ModelState) -> None:

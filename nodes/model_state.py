@@ -38,6 +38,9 @@ class ModelState:
     host_limit: str | None = None
     #: the hooks on the diffusion model that guard the handle (``handles._guard``)
     guards: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    #: the ``OutsideUseWatch`` of a call that learns the handle's entries, on the torch function mode stack of
+    #: the thread running that call until the call ends (``handles.stop_watching``)
+    watch: Any = None
     #: how many GroupOffloadPatchers (the node's clone and every clone of it) can drive the handle
     owners: int = 0
     #: those patchers, alive: a patcher of this model not among them is a plain one

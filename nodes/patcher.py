@@ -50,7 +50,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload_core import GroupOffloadHandle, check_offloadable, format_bytes, handle_of
 from .blocks import block_list_owners, block_list_paths, find_blocks, refuse_weight_caches
 from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
-                      warn_if_unpinned)
+                      stop_watching, warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
 from .memory import module_bytes, page_cache_room, plan_blocks, raw_group_bytes, room_now, room_on_the_card
 from .model_state import ModelState, state_of
@@ -251,6 +251,7 @@ class GroupOffloadPatcher(ModelPatcher):
                       cpu_only=torch.device(self.load_device).type == "cpu", host_limit=host_limit(self.model))
 
     def cleanup(self):
+        stop_watching(state_of(self.model))  # (after a call ComfyUI interrupted: see stop_watching)
         log_back_offs(finish_run(self.model))
         self._run_reads.close()
         super().cleanup()

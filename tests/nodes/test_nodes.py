@@ -188,3 +188,25 @@ def test_a_build_through_the_node_plans_its_groups_once(models):
     runs = plannings(lambda: run_txt2img(model, seed=7, steps=2), search)
     sizes = [g.nbytes for g in offload_handle(model).groups]
     assert [budget for group_bytes, budget in runs if group_bytes == sizes] == [int(0.00029 * 2**30)]
+
+
+def test_an_interrupt_in_the_call_that_learns_the_entries_leaves_no_watch_behind(models):
+    """ComfyUI 0.33's interrupt is a ``BaseException`` raised inside a forward, after which torch runs no forward
+    hook of the diffusion model: the watch of the call that learns the entries still comes off the torch function
+    mode stack (the sampler's cleanup takes it), so no later torch call goes through it, and the model samples as
+    before."""
+    import comfy.model_management as mm
+
+    expected = run_txt2img(load_plain(), seed=7, steps=2).latent
+    model = offload(load_plain())
+
+    def interrupt(module, args):
+        raise mm.InterruptProcessingException()
+
+    hook = model.model.diffusion_model.transformer_blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(mm.InterruptProcessingException):
+        run_txt2img(model, seed=7, steps=2)
+    hook.remove()
+    assert torch._C._len_torch_function_stack() == 0
+    assert torch.equal(run_txt2img(model, seed=7, steps=2).latent, expected)
+    assert torch._C._len_torch_function_stack() == 0
