@@ -10,7 +10,7 @@ from testbed.comfy_boot import boot_comfyui_in_process
 from testbed.fixture_models import tiny_qwen_image_file
 from testbed.lora_fixture import make_lora
 from testbed.pack_modules import pack_module
-from testbed.run_nodes import make_test_conditioning, run_node
+from testbed.run_nodes import make_test_conditioning, node_output
 from testbed.stand_ins import TEXT_WIDTHS
 
 MODELS = ["qwen_image", "flux", "wan"]
@@ -33,19 +33,14 @@ def gguf_models(comfy_models):
     return folder
 
 
-def node(class_type: str, **inputs):
-    with torch.inference_mode():
-        return run_node(class_type, **inputs).outputs[0]
-
-
 def load_gguf(model: str, **advanced):
     if advanced:
-        return node("UnetLoaderGGUFAdvanced", unet_name=file_name(model), **advanced)
-    return node("UnetLoaderGGUF", unet_name=file_name(model))
+        return node_output("UnetLoaderGGUFAdvanced", unet_name=file_name(model), **advanced)
+    return node_output("UnetLoaderGGUF", unet_name=file_name(model))
 
 
 def offload(model, **options):
-    return node("GroupOffload", model=model, **(STREAM_ALL | options))
+    return node_output("GroupOffload", model=model, **(STREAM_ALL | options))
 
 
 def offload_handle(model):
@@ -55,15 +50,15 @@ def offload_handle(model):
 
 
 def with_lora(model, strength: float = 0.8):
-    return node("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=strength)
+    return node_output("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=strength)
 
 
 def sample(model, kind: str, seed: int = 3) -> torch.Tensor:
     """KSampler's latent, 2 steps at 64 px (one frame for Wan), with seeded conditionings of the model's text width."""
-    latent = (node("EmptyHunyuanLatentVideo", width=64, height=64, length=1, batch_size=1) if kind == "wan"
-              else node("EmptySD3LatentImage", width=64, height=64, batch_size=1))
+    latent = (node_output("EmptyHunyuanLatentVideo", width=64, height=64, length=1, batch_size=1) if kind == "wan"
+              else node_output("EmptySD3LatentImage", width=64, height=64, batch_size=1))
     width = TEXT_WIDTHS["wan_t2v" if kind == "wan" else kind]
-    samples = node("KSampler", model=model, seed=seed, steps=2, cfg=4.0, sampler_name="euler", scheduler="simple",
+    samples = node_output("KSampler", model=model, seed=seed, steps=2, cfg=4.0, sampler_name="euler", scheduler="simple",
                    positive=make_test_conditioning(1, joint_dim=width), negative=make_test_conditioning(2, joint_dim=width),
                    latent_image=latent, denoise=1.0)
     return samples["samples"]

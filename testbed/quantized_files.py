@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 from testbed.comfy_boot import comfyui_version, prepare_comfy_import
 from testbed.fixture_models import cached_fixture, tiny_qwen_image_file
 from testbed.node_runs import LORA
-from testbed.run_nodes import run_node
+from testbed.run_nodes import node_output
 
 logger = logging.getLogger(__name__)
 
@@ -265,24 +265,17 @@ def unet_name(fmt: str) -> str:
     return f"quantized_{fmt}.safetensors"
 
 
-def node(class_type: str, **inputs):
-    """A node's first output, run as a prompt runs it: under inference mode (ComfyUI's quantized
-    layers make their Parameters anew when the model moves, which needs the mode they were made in)."""
-    with torch.inference_mode():
-        return run_node(class_type, **inputs).outputs[0]
-
-
 def load_plain(fmt: str):
-    return node("UNETLoader", unet_name=unet_name(fmt), weight_dtype="default")
+    return node_output("UNETLoader", unet_name=unet_name(fmt), weight_dtype="default")
 
 
 def offload(model, **options):
-    return node("GroupOffload", model=model, **(OFFLOAD | options))
+    return node_output("GroupOffload", model=model, **(OFFLOAD | options))
 
 
 def load_offloaded(fmt: str, **options):
-    return node("GroupOffloadLoader", unet_name=unet_name(fmt), weight_dtype="default", **(OFFLOAD | options))
+    return node_output("GroupOffloadLoader", unet_name=unet_name(fmt), weight_dtype="default", **(OFFLOAD | options))
 
 
 def with_lora(model, strength: float = 0.8):
-    return node("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=strength)
+    return node_output("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=strength)

@@ -47,6 +47,13 @@ def run_node(class_type: str, **inputs: Any) -> NodeResult:
     return NodeResult(tuple(returned.args), ui)
 
 
+def node_output(class_type: str, **inputs: Any) -> Any:
+    """A node's first output, run as a prompt runs it: under inference mode (ComfyUI's quantized layers make their
+    Parameters anew when the model moves, which needs the mode they were made in)."""
+    with torch.inference_mode():
+        return run_node(class_type, **inputs).outputs[0]
+
+
 def make_test_conditioning(seed: int = 0, tokens: int = 8, joint_dim: int = 64) -> list:
     """A Qwen-shaped CONDITIONING: ``[[cond [1, tokens, joint_dim], {"pooled_output": None}]]``.
 

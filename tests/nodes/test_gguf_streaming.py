@@ -18,6 +18,7 @@ import torch
 from testbed import gguf_files
 from testbed.comfy_boot import boot_comfyui_in_process
 from testbed.pack_modules import pack_module
+from testbed.run_nodes import node_output
 from testbed.node_runs import DEVICES
 from testbed.gguf_runs import (
     DEVICE_APART,
@@ -25,7 +26,6 @@ from testbed.gguf_runs import (
     expected,
     file_name,
     load_gguf,
-    node,
     offload,
     offload_handle,
     sample,
@@ -56,8 +56,8 @@ def test_the_files_hold_every_type_comfyui_gguf_dequantizes_f16_fallbacks_and_5d
     quantized = [t for t in gguf_files.gguf.GGUFReader(q4_k).tensors if t.tensor_type != gguf_files.QType.F32]
     stored = {(int(t.shape[0]) % 256 == 0, gguf_files.QType(t.tensor_type)) for t in quantized}  # (ggml: rows first)
     assert stored == {(True, gguf_files.QType.Q4_K), (False, gguf_files.QType.F16)}, "rows Q4_K cannot hold: F16"
-    assert torch.equal(sample(offload(node("UnetLoaderGGUF", unet_name=q4_k.name)), "qwen_image"),
-                       sample(node("UnetLoaderGGUF", unet_name=q4_k.name), "qwen_image"))
+    assert torch.equal(sample(offload(node_output("UnetLoaderGGUF", unet_name=q4_k.name)), "qwen_image"),
+                       sample(node_output("UnetLoaderGGUF", unet_name=q4_k.name), "qwen_image"))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -261,7 +261,7 @@ def test_a_gguf_file_changed_under_the_mapped_model_fails_the_run_clearly(gguf_m
     path = gguf_models / "changed_under_the_model.gguf"
     path.write_bytes((gguf_models / file_name("qwen_image")).read_bytes())
     original = path.read_bytes()
-    model = offload(node("UnetLoaderGGUF", unet_name=path.name), host_memory="budget", host_gb=0.0)
+    model = offload(node_output("UnetLoaderGGUF", unet_name=path.name), host_memory="budget", host_gb=0.0)
     assert torch.equal(sample(model, "qwen_image"), expected("qwen_image"))
     with open(path, "r+b") as file:
         file.truncate(len(original) // 2)
@@ -273,7 +273,7 @@ def test_a_gguf_file_changed_under_the_mapped_model_fails_the_run_clearly(gguf_m
             file.write(original)
     with pytest.raises(source_changed, match="was written to since"):
         sample(model, "qwen_image")  # (its bytes are not compared: refused until loaded again)
-    again = offload(node("UnetLoaderGGUF", unet_name=path.name), host_memory="budget", host_gb=0.0)
+    again = offload(node_output("UnetLoaderGGUF", unet_name=path.name), host_memory="budget", host_gb=0.0)
     assert torch.equal(sample(again, "qwen_image"), expected("qwen_image")), "loaded again, it runs"
 
 
@@ -302,8 +302,8 @@ def test_types_dequantized_on_the_host_run_as_without_the_node_and_the_readout_c
     on_the_host = {t.name: int(t.n_bytes) for t in reader.tensors
                    if t.tensor_type in gguf_files.HOST_DEQUANTIZED_TYPES and t.name.startswith("transformer_blocks.")}
     assert len({gguf_files.QType(t.tensor_type) for t in reader.tensors} & set(gguf_files.HOST_DEQUANTIZED_TYPES)) > 4
-    plain = sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
-    model = offload(node("UnetLoaderGGUF", unet_name=path.name))
+    plain = sample(node_output("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
+    model = offload(node_output("UnetLoaderGGUF", unet_name=path.name))
     assert torch.equal(sample(model, "qwen_image"), plain)
     run = pack_module("nodes.telemetry").last_run(model.model)
     assert on_the_host and run["host_dequantized_bytes_per_pass"] == sum(on_the_host.values())
@@ -317,8 +317,8 @@ def test_a_forward_that_fails_leaves_nothing_pinned_and_the_error_is_comfyui_ggu
     path = gguf_files.write_tiny_gguf(gguf_models / "unknown_type.gguf", policy=lambda key, tensor: (
         unknown if key == weight else converter(key, tensor)))
     with pytest.raises(Exception) as plain:
-        sample(node("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
-    model = offload(node("UnetLoaderGGUF", unet_name=path.name))
+        sample(node_output("UnetLoaderGGUF", unet_name=path.name), "qwen_image")
+    model = offload(node_output("UnetLoaderGGUF", unet_name=path.name))
     with pytest.raises(type(plain.value), match=unknown.name):
         sample(model, "qwen_image")
     assert fake_cudart.registered_bytes == 0
