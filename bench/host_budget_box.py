@@ -12,8 +12,10 @@ Per ComfyUI version, each run with the file's pages evicted first (``posix_fadvi
   nothing packed (``host_gb = 0``, what ``auto`` packs where RAM is short), the process entering the box once
   loaded:
   - *LRU*: the kernel's page cache as it is (the engine's policy switched off by the driver), as before;
-  - *engine*: the defaults: the engine keeps the first groups that fit the room cached and releases the
-    others' pages after each gather (``GroupOffloadHandle.keep_cached``);
+  - *engine, through the cache*: the engine keeps the first groups that fit the room cached, reads the others
+    through the page cache and releases their pages after each gather (before issue 40's direct reads);
+  - *engine*: the defaults: the same, with the others read around the page cache where the file system reads so
+    (``GroupOffloadHandle.keep_cached``, ``InPlaceMirror.gather_into``);
 - *container*: the defaults (``host_memory = auto``), the process entering the box of half the file before it
   loads, as in a container: ``auto`` sees the box's limit.
 
@@ -55,6 +57,8 @@ SMOKE_STEPS = 4  # the figures are the steps from the third on
 # A tiny model's box is mostly anonymous memory, which a run's peak may exceed by a few MB (no swap: killed).
 SMOKE_ANON_MARGIN = 64 * MB
 ROOMS = {"half": 2, "quarter": 4}  # the page cache the box holds: the file's size divided by this
+#: The page-cache policies compared in each box: the driver's options for them.
+POLICIES = {"LRU": {"lru": True}, "engine, through the cache": {"through_cache": True}, "engine": {}}
 
 
 def memory_cgroup() -> Path:
@@ -141,10 +145,10 @@ def measure_version(models, version, folder: Path, steps: int, smoke: bool) -> t
     rows = [row("unlimited (calibration)", free, None, None, reference)]
     for share, divisor in ROOMS.items():
         limit = anon + file_bytes // divisor
-        for policy, lru in (("LRU", True), ("engine", False)):
-            run = boxed_run(models, version, folder, f"{version.name}-{share}-{policy}", limit, steps, lru=lru)
-            rows.append(row(f"{share} the file cached: {policy}", run, limit, predicted(run, lru), reference,
-                            minimum(run, file_bytes // divisor)))
+        for policy, options in POLICIES.items():
+            run = boxed_run(models, version, folder, f"{version.name}-{share}-{policy}", limit, steps, **options)
+            rows.append(row(f"{share} the file cached: {policy}", run, limit, predicted(run, options.get("lru", False)),
+                            reference, minimum(run, file_bytes // divisor)))
     limit = loading_growth(free) + anon + file_bytes // 2
     run = boxed_run(models, version, folder, f"{version.name}-container", limit, steps, offload={},
                     enter_box_before_load=True)

@@ -183,17 +183,19 @@ class GroupOffloadHandle:
         A step gathers the streamed ones in a cycle: where they need more page cache than ``room``, the
         kernel's LRU drops each page shortly before it is read again, and every step reads all of them from
         the disk. Instead, their first bytes that fit (``hostmem.bytes_kept_cached``: the first groups whole,
-        then the leading part of the next) stay cached and the pages past them are released during each
-        gather, so that a step reads only those again. Room is left for the groups in flight: the one being
-        gathered and, where the disk reads the next ones ahead (a CUDA device), those (the lookahead in effect).
-        A resident group is gathered once per load: its pages are released then too.
+        then the leading part of the next) stay cached and the pages past them are read around the page cache
+        where their file reads so (``InPlaceMirror.gather_into``), else released after each gather, so that a
+        step reads only those again. Where pages pass through the cache, room is left for the groups in flight:
+        the one being gathered and, where the disk reads the next ones ahead (a CUDA device), those (the
+        lookahead in effect). A resident group is gathered once per load: its pages are released then too.
         """
         in_place = [g for g in self.groups if not g.mirror.packed]
         sizes = [g.nbytes for g in in_place if not g.resident]
         if room is None or sum(sizes) <= max(0, room):
             kept = [g.nbytes for g in in_place]
         else:
-            in_flight = (1 + self._transfers.read_ahead_groups) * max(sizes)
+            through_cache = [g.nbytes for g in in_place if not g.resident and not g.mirror.reads_around_cache]
+            in_flight = (1 + self._transfers.read_ahead_groups) * max(through_cache, default=0)
             cached = iter(bytes_kept_cached(sizes, room - in_flight))
             kept = [0 if g.resident else next(cached) for g in in_place]
         for group, cached_bytes in zip(in_place, kept):

@@ -136,7 +136,7 @@ class SourceFiles:
             self._files[key] = _SourceFile(mapping)
         source = self._files[key]
         source.needed = max(source.needed, offset + _extent(tensor))
-        return None if source._fd is None else FilePages(source._fd, offset, not mapping.writable)
+        return None if source._fd is None else FilePages(source, offset, not mapping.writable)
 
     def seal(self) -> None:
         """Take each file's size, times and inode as they are now (what ``check`` compares with), and a read
@@ -198,6 +198,13 @@ class _SourceFile:
             self._fd = None
         if self._fd is not None:
             weakref.finalize(self, _close_leased, self._fd).atexit = False
+        self.direct = None if self._fd is None else open_direct(self._fd)  # reads around the page cache
+        if self.direct is not None:
+            weakref.finalize(self, os.close, self.direct).atexit = False
+
+    @property
+    def descriptor(self) -> int | None:
+        return self._fd
 
     def seal(self) -> None:
         if self._fd is None or self._sealed is not None:
@@ -347,9 +354,19 @@ class FilePages:
     Both methods act on the tensor's pages from its byte ``skip`` on: from the page its first byte lies in
     (``skip`` 0, whoever else's bytes it holds), else from the first page that begins past ``skip``."""
 
-    descriptor: int  # the file, open while it is mapped (``SourceFiles``)
+    source: _SourceFile  # the file (open while this is held)
     offset: int  # the tensor's first byte in it
     read_only: bool  # the mapping: its pages are the file's, its page-table entries may go
+
+    @property
+    def direct(self) -> int | None:
+        """The file open to be read around the page cache (``open_direct``), where it can be."""
+        return self.source.direct
+
+    def read_around_cache(self, to: int, skip: int, nbytes: int) -> None:
+        """The tensor's bytes ``skip`` to ``nbytes`` from the file into host memory at address ``to`` + ``skip``,
+        read around the page cache (``read_direct``; ``direct`` must be open)."""
+        read_direct(self.direct, self.offset + skip, nbytes - skip, to + skip)
 
     def read_forward(self, tensor: torch.Tensor, skip: int = 0) -> None:
         """Have a fault on ``tensor``'s pages read ahead of it only (``MADV_SEQUENTIAL``): by default the kernel
@@ -367,7 +384,7 @@ class FilePages:
         start, length = pages
         if self.read_only:
             _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
-        os.posix_fadvise(self.descriptor, self.offset + start - tensor.data_ptr(), length, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self.source.descriptor, self.offset + start - tensor.data_ptr(), length, os.POSIX_FADV_DONTNEED)
 
 
 def _pages_from(tensor: torch.Tensor, skip: int) -> tuple[int, int] | None:
@@ -378,6 +395,59 @@ def _pages_from(tensor: torch.Tensor, skip: int) -> tuple[int, int] | None:
     start = first // _PAGE * _PAGE if skip == 0 else -(-first // _PAGE) * _PAGE
     end = tensor.data_ptr() + _extent(tensor)
     return (start, end - start) if end > start else None
+
+
+#: The most bytes one direct read asks for (the bounce buffer's size, less the pages its ends are rounded to).
+DIRECT_CHUNK = 4 * 2**20
+
+
+class _Bounce(threading.local):
+    """Each thread's page-aligned buffer that direct reads land in (its pages taken at the first read)."""
+
+    def __init__(self) -> None:
+        self.buffer = mmap.mmap(-1, DIRECT_CHUNK + 2 * _PAGE)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+        self.view = memoryview(self.buffer)
+
+
+_BOUNCE = _Bounce()
+
+
+def open_direct(descriptor: int) -> int | None:
+    """The file ``descriptor`` is open on, opened again to be read around the page cache (``O_DIRECT``), if its
+    file system reads so (asked by reading its first page); None elsewhere (not Linux, a file system without
+    direct reads). Such a read goes from the disk into memory of the reader's, holding no page of the cache."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return None
+    try:
+        direct = os.open(f"/proc/self/fd/{descriptor}", os.O_RDONLY | flag)
+    except OSError:
+        return None
+    try:
+        os.preadv(direct, [_BOUNCE.view[:_PAGE]], 0)
+    except OSError as error:
+        log.debug("Group Offload: no direct reads of a mapped file (%s); its pages pass through the page cache", error)
+        os.close(direct)
+        return None
+    return direct
+
+
+def read_direct(descriptor: int, offset: int, nbytes: int, to: int) -> None:
+    """File bytes ``offset`` to ``offset + nbytes`` into host memory at address ``to``, from a descriptor
+    ``open_direct`` opened: read in whole pages (what a direct read needs) into this thread's bounce buffer,
+    ``DIRECT_CHUNK`` at a time, and copied from there. ``OSError`` if the file ends before them."""
+    bounce, done = _BOUNCE, 0
+    end = -(-(offset + nbytes) // _PAGE) * _PAGE
+    while done < nbytes:
+        first = offset + done
+        start = first // _PAGE * _PAGE
+        got = os.preadv(descriptor, [bounce.view[: min(DIRECT_CHUNK + _PAGE, end - start)]], start)
+        useful = min(got - (first - start), nbytes - done)
+        if useful <= 0:
+            raise OSError(f"a mapped file ended at byte {start + got}, before byte {offset + nbytes} of a tensor in it")
+        ctypes.memmove(to + done, bounce.address + first - start, useful)
+        done += useful
 
 
 def bytes_kept_cached(sizes: list[int], room: int) -> list[int]:

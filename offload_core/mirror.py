@@ -7,6 +7,7 @@ host-to-device copy per group, whatever mix of dtypes it holds.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import weakref
 from collections.abc import Sequence
@@ -172,40 +173,74 @@ class InPlaceMirror:
         """Segment ``index``'s tensor in memory of its own: a copy where it lies in a mapped file (read now)."""
         return self.views[index].clone() if self._file_backed[index] else self.views[index]
 
+    @property
+    def reads_around_cache(self) -> bool:
+        """Whether every mapped tensor's pages past ``cached_bytes`` are read around the page cache at a gather (its
+        file reads so: ``hostmem.open_direct``), so that gathering them holds no page of the cache."""
+        return all(pages is None or pages.direct is not None for pages in self._pages)
+
     def read_ahead(self) -> None:
-        """Have the kernel start reading the mapped tensors from the disk, ahead of the gather."""
-        for view in self.mapped_views():
-            advise_will_need(view)
+        """Have the kernel start reading the mapped tensors from the disk into the page cache, ahead of the gather:
+        those a gather reads through it (not those read around it, whose pages would only crowd the cache)."""
+        around = self._read_around_cache()
+        for i, view in enumerate(self.views):
+            if self._file_backed[i] and i not in around:
+                advise_will_need(view)
 
     def mapped_views(self) -> list[torch.Tensor]:
-        """The tensors that lie in file mappings (read through the page cache)."""
+        """The tensors that lie in file mappings."""
         return [view for view, mapped in zip(self.views, self._file_backed) if mapped]
 
     def gather_into(self, target: torch.Tensor, copy: CopyFn) -> int:
         """Copy every tensor into its segment of ``target`` (a packed host or device buffer); returns the
         bytes whose pages the page cache did not hold as the gather began (read from the disk; a page two
         tensors share counts for each). A ``copy`` that copies many pairs at once (``gather.HostCopy``)
-        is given the whole group. Then the mapped pages past ``cached_bytes`` leave the page cache: the next
-        read of them goes to the disk, and the pages kept cached stay."""
+        is given the whole group.
+
+        The mapped bytes past ``cached_bytes`` are not to stay in the page cache. Where their file reads so,
+        they are read around it, straight from the disk into ``target`` (``FilePages.read_around_cache``): the
+        group being gathered then holds no page of the cache, which is the kept groups' room. Elsewhere they
+        are read through the page cache, and their pages leave it after the gather. Either way the next read
+        of them goes to the disk, and the pages kept cached stay."""
         from_disk = sum(uncached_bytes(view) or 0 for view in self.mapped_views())
         released = self._released_from()
-        for i, skip in released.items():
-            self._pages[i].read_forward(self.views[i], skip)
         intos = segment_views(target, self.segments)
-        if isinstance(copy, ManyCopy):
-            copy.many(intos, self.views)
-        else:
-            for into, view in zip(intos, self.views):
-                copy(into, view)
+        around = {i: released[i] for i in self._read_around_cache(intos)}
         for i, skip in released.items():
-            self._pages[i].release(self.views[i], skip)
+            if i not in around:
+                self._pages[i].read_forward(self.views[i], skip)
+        copied = [i for i in range(len(intos)) if i not in around]
+        if isinstance(copy, ManyCopy):
+            copy.many([intos[i] for i in copied], [self.views[i] for i in copied])
+        else:
+            for i in copied:
+                copy(intos[i], self.views[i])
+        for i, skip in around.items():
+            into, nbytes = intos[i].data_ptr(), self.segments[i].nbytes
+            ctypes.memmove(into, self.views[i].data_ptr(), skip)  # the leading bytes kept cached
+            self._pages[i].read_around_cache(into, skip, nbytes)
+        for i, skip in released.items():
+            self._pages[i].release(self.views[i], skip)  # (read around it: pages cached before, at a load say)
         return from_disk
+
+    def _read_around_cache(self, intos: list[torch.Tensor] | None = None) -> list[int]:
+        """The tensors whose pages past ``cached_bytes`` a gather reads around the page cache: their file reads
+        so, and they and their segments of the target (``intos``, where known) are dense host bytes."""
+        released = self._released_from()
+        return [i for i in released if self._pages[i].direct is not None and _dense_on_host(self.views[i])
+                and (intos is None or _dense_on_host(intos[i]))]
 
     def _released_from(self) -> dict[int, int]:
         """Tensor index -> the byte of it from which its pages are released after a gather (those past
         ``cached_bytes``), for the mapped tensors that have such pages."""
         return {i: max(0, self.cached_bytes - segment.offset) for i, segment in enumerate(self.segments)
                 if self._pages[i] is not None and segment.offset + segment.nbytes > self.cached_bytes}
+
+
+def _dense_on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are its bytes, back to back in host memory (a plain subclass's too)."""
+    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
 
 def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:

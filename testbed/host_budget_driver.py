@@ -20,7 +20,9 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 - ``enter_box_before_load`` (optional): true to enter the box before loading, as a process in a container
   starts inside its limit;
 - ``lru`` (optional): true to leave the page cache to the kernel's LRU, as before the engine kept a stable
-  part of it (the patcher's ``_keep_page_cache`` does nothing).
+  part of it (the patcher's ``_keep_page_cache`` does nothing);
+- ``through_cache`` (optional): true to read every group kept in place through the page cache, as before the
+  engine read the pages it does not keep cached around it (no file opens for direct reads).
 
 It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
 file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
@@ -219,6 +221,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     box = Path(spec["box"]) if "box" in spec else None
     if spec.get("lru"):
         pack_module("nodes.patcher")._keep_page_cache = lambda handle, base_model: None
+    if spec.get("through_cache"):
+        pack_module("offload_core.hostmem").open_direct = lambda descriptor: None
     with AnonMarks() as anon:
         anon.mark("before")
         if box is not None and spec.get("enter_box_before_load"):

@@ -3,6 +3,7 @@ its threads share, and through the engine under the stream checker, whose host c
 of a gather the disk reads (the lookahead from the ledger's measured rates)."""
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from offload_core import apply_group_offload, gather
 from offload_core import mirror as mirror_module
 from offload_core.gather import HostCopy, plain_bytes
-from offload_core.hostmem import FileMappings, SourceFiles, map_file
+from offload_core.hostmem import FileMappings, SourceFiles, map_file, uncached_bytes
 from offload_core.ledger import TransferLedger
 from offload_core.mirror import InPlaceMirror, ManyCopy, pack_layout, segment_views
 from offload_core.runtime import CudaRuntime
@@ -237,20 +238,70 @@ def test_the_disk_reads_ahead_as_many_groups_as_the_measured_rates_ask(tmp_path,
     handle.remove()
 
 
-def test_a_gather_releases_the_pages_past_the_bytes_kept_cached(tmp_path: Path, monkeypatch):
-    """A group whose leading bytes stay cached: once it is copied, its pages past ``cached_bytes`` are released,
-    the tensor the boundary falls in from the first page past it. Bit-identical."""
-    from offload_core.hostmem import FilePages
-
-    sizes = [3 * 4096, 5 * 4096, 2 * 4096]
-    path = tmp_path / "group.bin"
-    path.write_bytes(random_bytes((sum(sizes),), torch.uint8, 7).numpy().tobytes())
-    mapped, views, offset = map_file(path), [], 0
+def mapped_group(path: Path, sizes: list[int], gaps: int = 0) -> tuple[list[torch.Tensor], InPlaceMirror, SourceFiles]:
+    """Tensors of ``sizes`` bytes, ``gaps`` bytes apart in a file of random bytes out of the page cache, their
+    views of its mapping, and an ``InPlaceMirror`` of them (with the ``SourceFiles`` it reads them through)."""
+    path.write_bytes(random_bytes((sum(sizes) + gaps * (len(sizes) + 1),), torch.uint8, 7).numpy().tobytes())
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    mapped, views, offset = map_file(path), [], gaps
     for size in sizes:
         views.append(mapped[offset : offset + size])
-        offset += size
+        offset += size + gaps
     segments, nbytes = pack_layout(views)
-    mirror = InPlaceMirror(segments, nbytes, views, FileMappings(), SourceFiles())
+    sources = SourceFiles()
+    return views, InPlaceMirror(segments, nbytes, views, FileMappings(), sources), sources
+
+
+def test_past_the_bytes_kept_cached_a_gather_reads_around_the_page_cache(tmp_path: Path):
+    """A group whose leading bytes stay cached, on a file system with direct reads: its bytes past ``cached_bytes``
+    go from the disk to the target without entering the page cache; the leading ones are read through it and stay
+    there. Bit-identical."""
+    mib = 2**20
+    sizes = [3 * mib, 5 * mib, 2 * mib]
+    views, mirror, _sources = mapped_group(tmp_path / "group.bin", sizes)
+    if not mirror.reads_around_cache:
+        pytest.skip(f"the file system of {tmp_path} has no direct reads (O_DIRECT)")
+    mirror.cached_bytes = 4 * mib + 100  # the first tensor, and a MiB and 100 bytes of the second
+    target = torch.zeros(mirror.nbytes, dtype=torch.uint8)
+    assert mirror.gather_into(target, lambda into, view: into.copy_(view)) == sum(sizes), "all from the disk"
+    assert uncached_bytes(views[0]) == 0 and uncached_bytes(views[1][: mib + 100]) == 0, "the kept bytes are cached"
+    assert uncached_bytes(views[1][2 * mib :]) == 3 * mib and uncached_bytes(views[2]) == sizes[2], \
+        "the others never entered the page cache"
+    assert all(torch.equal(into, view) for into, view in zip(segment_views(target, mirror.segments), views))
+
+
+@pytest.mark.parametrize("kept", [0, 1, 4096 * 3 + 7, 10**9])
+def test_reads_around_the_page_cache_are_bit_identical_at_any_offset(tmp_path: Path, monkeypatch, kept):
+    """Direct reads in whole pages, a few pages at a time, of tensors at odd offsets and of odd sizes, from any
+    byte kept cached on: each tensor's bytes exactly, none of its neighbours'."""
+    from offload_core import hostmem
+
+    monkeypatch.setattr(hostmem, "DIRECT_CHUNK", 2 * 4096)
+    views, mirror, _sources = mapped_group(tmp_path / "group.bin", [5 * 4096 + 13, 1, 3 * 4096 - 5, 9000], gaps=333)
+    if not mirror.reads_around_cache:
+        pytest.skip(f"the file system of {tmp_path} has no direct reads (O_DIRECT)")
+    mirror.cached_bytes = kept
+    target = torch.full((mirror.nbytes,), 0xAB, dtype=torch.uint8)
+    mirror.gather_into(target, lambda into, view: into.copy_(view))
+    assert all(torch.equal(into, view) for into, view in zip(segment_views(target, mirror.segments), views))
+    ends = [s.offset + s.nbytes for s in mirror.segments]
+    padding = [target[end:start] for end, start in zip(ends, [s.offset for s in mirror.segments[1:]] + [mirror.nbytes])]
+    assert all(bool((pad == 0xAB).all()) for pad in padding), "nothing written past a tensor"
+
+
+def test_a_gather_releases_the_pages_past_the_bytes_kept_cached(tmp_path: Path, monkeypatch):
+    """A group whose leading bytes stay cached, where its file has no direct reads: once it is copied, its
+    pages past ``cached_bytes`` are released, the tensor the boundary falls in from the first page past it.
+    Bit-identical."""
+    from offload_core import hostmem
+    from offload_core.hostmem import FilePages
+
+    monkeypatch.setattr(hostmem, "open_direct", lambda descriptor: None)
+    sizes = [3 * 4096, 5 * 4096, 2 * 4096]
+    views, mirror, _sources = mapped_group(tmp_path / "group.bin", sizes)
+    segments, nbytes = mirror.segments, mirror.nbytes
     mirror.cached_bytes = 4 * 4096 + 100  # the first tensor, and a page and 100 bytes of the second
     log: list[tuple[str, int, int]] = []
     index = {view.data_ptr(): i for i, view in enumerate(views)}
