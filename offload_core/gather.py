@@ -9,17 +9,22 @@ same cores and waits for its slowest thread (a 1 MiB copy 80 µs -> 8 ms when th
 ``HostCopy.many`` copies a group's plain tensors (bytes for bytes) with ``memmove`` — a ``ctypes`` call
 releases the GIL and starts no thread — in chunks of at most ``CHUNK_BYTES`` that its threads take in
 turn, each taking the page faults of its own chunks; it waits once, for the whole group. Anything else
-(a dtype conversion, a strided view, a tensor subclass) is copied by ``torch``.
+(a dtype conversion, a strided view, a tensor subclass) is copied by ``torch``. The tensors a gather reads
+from their file around the page cache (``hostmem.FileRead``) are split the same way: each thread's direct
+reads keep the disk's queue deeper than one thread's would.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from .hostmem import FileRead
 
 #: The most bytes one chunk copies: small enough for the threads to share a group evenly, big enough that
 #: taking one (the GIL, a Python loop) costs little beside copying it (~1 ms at 4 GB/s).
@@ -27,8 +32,8 @@ CHUNK_BYTES = 4 * 2**20
 #: The most threads a copy uses: a few saturate the memory bus; more only take cores from the compute.
 MAX_THREADS = 4
 
-#: A chunk: (to, from, bytes).
-_Chunk = tuple[int, int, int]
+#: A chunk: a piece of a copy, done when called.
+_Chunk = Callable[[], object]
 
 
 def default_threads() -> int:
@@ -60,14 +65,18 @@ class HostCopy:
     def __call__(self, target: torch.Tensor, source: torch.Tensor) -> None:
         self.many([target], [source])
 
-    def many(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-        """``targets[i]`` := ``sources[i]`` for each i, bit for bit where their bytes are their values."""
+    def many(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+             reads: Sequence[FileRead] = ()) -> None:
+        """``targets[i]`` := ``sources[i]`` for each i, bit for bit where their bytes are their values; and each
+        of ``reads``."""
         chunks: list[_Chunk] = []
         for target, source in zip(targets, sources, strict=True):
             if plain_bytes(target, source):
                 chunks += _chunks(target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
             else:
                 target.copy_(source)
+        for read in reads:
+            chunks += read.pieces(CHUNK_BYTES)
         if not chunks:
             return
         taken = iter(chunks)  # (``next`` on a list's iterator is atomic under the GIL)
@@ -85,10 +94,11 @@ class HostCopy:
 
 
 def _chunks(to: int, start: int, nbytes: int) -> list[_Chunk]:
-    return [(to + lo, start + lo, min(CHUNK_BYTES, nbytes - lo)) for lo in range(0, nbytes, CHUNK_BYTES)]
+    return [functools.partial(ctypes.memmove, to + lo, start + lo, min(CHUNK_BYTES, nbytes - lo))
+            for lo in range(0, nbytes, CHUNK_BYTES)]
 
 
 def _copy_chunks(taken: Iterator[_Chunk]) -> None:
     """Copy chunks from ``taken`` until none is left."""
-    for to, start, nbytes in taken:
-        ctypes.memmove(to, start, nbytes)
+    for chunk in taken:
+        chunk()

@@ -13,6 +13,7 @@ import bisect
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -24,7 +25,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 try:
     import fcntl
@@ -363,10 +364,10 @@ class FilePages:
         """The file open to be read around the page cache (``open_direct``), where it can be."""
         return self.source.direct
 
-    def read_around_cache(self, to: int, skip: int, nbytes: int) -> None:
-        """The tensor's bytes ``skip`` to ``nbytes`` from the file into host memory at address ``to`` + ``skip``,
-        read around the page cache (``read_direct``; ``direct`` must be open)."""
-        read_direct(self.direct, self.offset + skip, nbytes - skip, to + skip)
+    def read_around_cache(self, target: torch.Tensor, tensor: torch.Tensor, skip: int) -> FileRead:
+        """How to gather ``tensor`` (dense, of this file's mapping) into ``target`` (a flat ``uint8`` host tensor of
+        its size): its first ``skip`` bytes from the mapping, the rest around the page cache (``direct`` open)."""
+        return FileRead(target, tensor.data_ptr(), self.direct, self.offset, skip)
 
     def read_forward(self, tensor: torch.Tensor, skip: int = 0) -> None:
         """Have a fault on ``tensor``'s pages read ahead of it only (``MADV_SEQUENTIAL``): by default the kernel
@@ -431,6 +432,33 @@ def open_direct(descriptor: int) -> int | None:
         os.close(direct)
         return None
     return direct
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """A gather's copy of one mapped tensor whose leading ``skip`` bytes stay in the page cache: those copied from
+    the mapping (its cached pages), the others read from the file around the page cache (``read_direct``), into
+    ``target``. ``pieces`` splits it for threads that share a group; calling it does all of it."""
+
+    target: torch.Tensor  # flat ``uint8``, in host memory, the tensor's size
+    mapped: int  # the tensor's first byte in the mapping
+    descriptor: int  # its file, opened by ``open_direct``
+    offset: int  # its first byte in the file
+    skip: int
+
+    def pieces(self, most: int) -> list[Callable[[], object]]:
+        """The copy in pieces of at most ``most`` bytes, the reads' split at whole pages of the file (none read twice)."""
+        to, nbytes = self.target.data_ptr(), self.target.numel()
+        step = max(_PAGE, most // _PAGE * _PAGE)
+        pieces = [functools.partial(ctypes.memmove, to + lo, self.mapped + lo, min(most, self.skip - lo))
+                  for lo in range(0, self.skip, most)]
+        cuts = [self.skip, *range((self.offset + self.skip) // step * step + step - self.offset, nbytes, step), nbytes]
+        return pieces + [functools.partial(read_direct, self.descriptor, self.offset + lo, hi - lo, to + lo)
+                         for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+    def __call__(self) -> None:
+        for piece in self.pieces(DIRECT_CHUNK):
+            piece()
 
 
 def read_direct(descriptor: int, offset: int, nbytes: int, to: int) -> None:

@@ -7,7 +7,6 @@ host-to-device copy per group, whatever mix of dtypes it holds.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import weakref
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from .hostmem import FileMappings, FilePages, SourceFiles, advise_will_need, uncached_bytes
+from .hostmem import FileMappings, FilePages, FileRead, SourceFiles, advise_will_need, uncached_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def pack_layout(tensors: list[torch.Tensor]) -> tuple[list[Segment], int]:
 
 def segment_views(buffer: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
     """Typed, shaped views of ``buffer`` (a flat ``uint8`` tensor) for each segment."""
-    return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in segments]
+    return [_bytes_of(buffer, s).view(s.dtype).view(s.shape) for s in segments]
 
 
 class Pinner(Protocol):
@@ -90,11 +89,13 @@ CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 
 @runtime_checkable
 class ManyCopy(Protocol):
-    """A ``CopyFn`` that also copies many pairs in one call (``gather.HostCopy``): a gather's whole group."""
+    """A ``CopyFn`` that also copies many pairs, and does reads around the page cache, in one call
+    (``gather.HostCopy``): a gather's whole group."""
 
     def __call__(self, target: torch.Tensor, source: torch.Tensor) -> None: ...
 
-    def many(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None: ...
+    def many(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+             reads: Sequence[FileRead] = ()) -> None: ...
 
 
 class HostMirror:
@@ -205,20 +206,20 @@ class InPlaceMirror:
         from_disk = sum(uncached_bytes(view) or 0 for view in self.mapped_views())
         released = self._released_from()
         intos = segment_views(target, self.segments)
-        around = {i: released[i] for i in self._read_around_cache(intos)}
+        around = self._read_around_cache(intos)
         for i, skip in released.items():
             if i not in around:
                 self._pages[i].read_forward(self.views[i], skip)
         copied = [i for i in range(len(intos)) if i not in around]
+        reads = [self._pages[i].read_around_cache(_bytes_of(target, self.segments[i]), self.views[i], released[i])
+                 for i in around]
         if isinstance(copy, ManyCopy):
-            copy.many([intos[i] for i in copied], [self.views[i] for i in copied])
+            copy.many([intos[i] for i in copied], [self.views[i] for i in copied], reads)
         else:
             for i in copied:
                 copy(intos[i], self.views[i])
-        for i, skip in around.items():
-            into, nbytes = intos[i].data_ptr(), self.segments[i].nbytes
-            ctypes.memmove(into, self.views[i].data_ptr(), skip)  # the leading bytes kept cached
-            self._pages[i].read_around_cache(into, skip, nbytes)
+            for read in reads:
+                read()
         for i, skip in released.items():
             self._pages[i].release(self.views[i], skip)  # (read around it: pages cached before, at a load say)
         return from_disk
@@ -235,6 +236,11 @@ class InPlaceMirror:
         ``cached_bytes``), for the mapped tensors that have such pages."""
         return {i: max(0, self.cached_bytes - segment.offset) for i, segment in enumerate(self.segments)
                 if self._pages[i] is not None and segment.offset + segment.nbytes > self.cached_bytes}
+
+
+def _bytes_of(buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """Segment ``segment`` of ``buffer`` (a flat ``uint8`` tensor) as bytes."""
+    return buffer[segment.offset : segment.offset + segment.nbytes]
 
 
 def _dense_on_host(tensor: torch.Tensor) -> bool:

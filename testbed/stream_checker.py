@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from testbed.fake_cudart import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, FakeCudart
 from offload_core.gather import HostCopy
+from offload_core.hostmem import FileRead
 
 HOST = "host"
 COMPUTE = "compute"
@@ -191,13 +192,14 @@ class CheckedHostCopy:
     def __call__(self, target: torch.Tensor, source: torch.Tensor) -> None:
         self.many([target], [source])
 
-    def many(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    def many(self, targets: list[torch.Tensor], sources: list[torch.Tensor], reads: list[FileRead] = ()) -> None:
         checker = self.checker
-        accesses = [(*_span(inner), write) for tensors, write in ((sources, False), (targets, True))
+        written = [*targets, *(read.target for read in reads)]  # (a file's mapping is no tracked memory)
+        accesses = [(*_span(inner), write) for tensors, write in ((sources, False), (written, True))
                     for t in tensors for inner in _inner_tensors(t) if inner.numel()]
         checker._launch(checker.issuer, accesses, "host copy")
         with checker.use_stream(Stream(checker, checker.issuer)):  # what it copies by torch: the same thread's
-            self._copy.many(targets, sources)
+            self._copy.many(targets, sources, reads)
 
 
 class StreamChecker(TorchDispatchMode):

@@ -318,7 +318,8 @@ def test_past_the_page_cache_room_the_first_bytes_stay_cached_and_the_others_are
     assert uncached_bytes(weight[: half // weight[0].nbytes]) <= 2 * page, f"its leading half stays cached: {uncached}"
     # (gathering a group through the cache, the kernel reads around the pages it faults: a part of the group
     # before it comes back)
-    released = 0.99 * 5 * size // 2 if around else 5 * size // 4
+    # (folios the kernel reads around a fault of the kept part may straddle the first released pages)
+    released = 5 * size // 2 - size // 16 if around else 5 * size // 4
     assert sum(uncached[3:]) >= released, f"the others' pages are released: {uncached}"
     assert 0.9 * 2.5 * size <= read <= 1.1 * 2.5 * size, f"a step reads the released pages again, and only those: {read}"
     handle.remove()

@@ -291,6 +291,27 @@ def test_reads_around_the_page_cache_are_bit_identical_at_any_offset(tmp_path: P
     assert all(bool((pad == 0xAB).all()) for pad in padding), "nothing written past a tensor"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_host_copy_shares_the_reads_around_the_page_cache_among_its_threads(tmp_path: Path, threads):
+    """Through ``HostCopy`` (a gather's on a CUDA device), a group's reads around the page cache go in pieces its
+    threads share, cut at whole pages of the file past the bytes kept cached (no page read twice). Bit-identical."""
+    from offload_core import hostmem
+
+    views, mirror, _sources = mapped_group(tmp_path / "group.bin", [9 * 4096 + 13, 3, 5 * 4096 - 5], gaps=333)
+    if not mirror.reads_around_cache:
+        pytest.skip(f"the file system of {tmp_path} has no direct reads (O_DIRECT)")
+    mirror.cached_bytes = 5000
+    target = torch.full((mirror.nbytes,), 0xAB, dtype=torch.uint8)
+    mirror.gather_into(target, HostCopy(threads))
+    assert all(torch.equal(into, view) for into, view in zip(segment_views(target, mirror.segments), views))
+    read = hostmem.FileRead(target[: views[0].numel()], views[0].data_ptr(), mirror._pages[0].direct, 333, 5000)
+    pieces = [piece.args for piece in read.pieces(CHUNK) if piece.func is hostmem.read_direct]
+    starts = [offset for _, offset, _, _ in pieces]
+    ends = [offset + nbytes for _, offset, nbytes, _ in pieces]
+    assert starts[0] == 333 + 5000 and ends[-1] == 333 + views[0].numel() and starts[1:] == ends[:-1]
+    assert all(cut % 4096 == 0 for cut in starts[1:]) and max(e - s for s, e in zip(starts, ends)) <= CHUNK
+
+
 def test_a_gather_releases_the_pages_past_the_bytes_kept_cached(tmp_path: Path, monkeypatch):
     """A group whose leading bytes stay cached, where its file has no direct reads: once it is copied, its
     pages past ``cached_bytes`` are released, the tensor the boundary falls in from the first page past it.

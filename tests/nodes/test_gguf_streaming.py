@@ -268,8 +268,8 @@ def test_past_the_page_cache_room_the_gguf_files_pages_are_read_around_it(gguf_m
     read_around = []
     read_around_cache = hostmem.FilePages.read_around_cache
     monkeypatch.setattr(hostmem.FilePages, "read_around_cache",
-                        lambda pages, to, skip, nbytes: (read_around.append(nbytes - skip),
-                                                         read_around_cache(pages, to, skip, nbytes)))
+                        lambda pages, target, tensor, skip: (read_around.append(target.numel() - skip),
+                                                             read_around_cache(pages, target, tensor, skip))[1])
     assert torch.equal(sample(model, kind), expected(kind))
     handle = offload_handle(model)
     if not all(g.mirror.reads_around_cache for g in handle.groups):
