@@ -81,7 +81,7 @@ class HostPins:
         pins_at_a_limit = refused and any(g.mirror.pinned for g in self.groups)  # not a driver that pins nothing
         if self._runtime is not None and (in_place or pins_at_a_limit):
             self._stage(refused)
-        elif self._ring_for_loading():
+        elif not refused and self._ring_for_loading():
             self._stage(refused=0)
         else:
             self.drop_staging()
@@ -96,7 +96,7 @@ class HostPins:
 
     def _ring_for_loading(self) -> bool:
         """Whether the resident groups not on the device yet load through a pinned ring (every group is packed,
-        every streamed one pinned): where they hold more bytes than the ring (a ring that would carry less than its
+        every streamed one pinned, so that no stream needs one): where they hold more bytes than the ring (a ring that would carry less than its
         own size is not worth registering) and, unless it is held already, it fits in the host memory
         the process may still take (``host_room``); the pinner may still refuse it (a pinned limit), and then
         they load from pageable memory, as without a ring."""
@@ -123,8 +123,13 @@ class HostPins:
 
     def unpin(self, at_least: int | None = None) -> int:
         """Return the mirrors' page-locked memory (they stay valid), all of it or, last groups first, at least
-        ``at_least`` bytes of it; returns the bytes unpinned."""
-        freed = self._unpin_groups(at_least)
+        ``at_least`` bytes of it; returns the bytes unpinned. A ring no streamed group needs (the resident
+        groups' load's) goes first: it only spares the load a copy from pageable memory."""
+        freed = 0
+        if self.staging is not None and self._ring_only_loads():
+            freed = self.staging.pinned_bytes
+            self.drop_staging()
+        freed += self._unpin_groups(None if at_least is None else at_least - freed)
         if self.staging is not None and (at_least is None or freed < at_least):
             freed += self.staging.pinned_bytes
             if all(g.mirror.packed for g in self.groups):
@@ -132,6 +137,10 @@ class HostPins:
             else:  # the groups kept in place stream through it still, from pageable memory
                 self.staging.unpin()
         return freed
+
+    def _ring_only_loads(self) -> bool:
+        """Whether the ring carries no streamed group: every group packed, every streamed one pinned."""
+        return all(g.mirror.packed and (g.resident or g.mirror.pinned) for g in self.groups)
 
     def drop_staging(self) -> None:
         if self.staging is not None:

@@ -118,6 +118,35 @@ def test_a_refused_ring_leaves_the_resident_groups_to_the_pageable_copy(checker)
     assert checker.cudart.registered == {}
 
 
+def test_no_ring_is_tried_where_the_streamed_groups_were_refused(checker):
+    """A driver that pins nothing: the ring is not tried after the groups' refusals (each one a device sync)."""
+    reference, offloaded, x = make_pair("cpu", depth=DEPTH)
+    checker.cudart.driver_limit = 0
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, prefetch=1)
+    discards = checker.discards
+    handle.set_resident_bytes(sum(g.nbytes for g in handle.groups) // 2)
+    assert checker.discards - discards == 1 and handle.stats()["staging_bytes"] == 0
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x))
+    handle.remove()
+
+
+def test_another_model_taking_pins_takes_the_load_ring_first(checker):
+    """Between the load and the run, another model's pins (``unpin(at_least)``, the nodes' ``_make_pin_room``)
+    take the ring before any streamed group's pin: the ring only spared the load a pageable copy."""
+    reference, offloaded, x, handle = offloaded_half_resident(checker)
+    ring = handle.stats()["staging_bytes"]
+    with torch.inference_mode():
+        expected = reference(x)
+        handle.onload_resident()
+        assert handle.unpin(at_least=1) == ring
+        assert handle.stats()["staging_bytes"] == 0
+        streamed_pinned(handle, checker)
+        assert torch.equal(offloaded(x), expected)
+    handle.remove()
+    assert checker.cudart.registered == {}
+
+
 def test_no_ring_without_room_for_it(checker, monkeypatch):
     """A machine (or a container) with less host memory left than the ring: none is made, nothing is pinned for
     it, and the resident groups load from pageable memory, bit-identical."""
