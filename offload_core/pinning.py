@@ -97,9 +97,10 @@ class HostPins:
     def _ring_for_loading(self) -> bool:
         """Whether the resident groups not on the device yet load through a pinned ring (every group is packed,
         every streamed one pinned, so that no stream needs one): where they hold more bytes than the ring (a ring that would carry less than its
-        own size is not worth registering) and, unless it is held already, it fits in the host memory
-        the process may still take (``host_room``); the pinner may still refuse it (a pinned limit), and then
-        they load from pageable memory, as without a ring."""
+        own size is not worth registering) and, unless it is held already, it takes at most half the host
+        memory the process may still take (``host_room``: the RAM available, a container's limit), leaving as
+        much again to the rest of the load; the pinner may still refuse it (a pinned limit). Otherwise they
+        load from pageable memory, as without a ring."""
         if self._runtime is None or self._pinner is None:
             return False
         ring_bytes = STAGING_BUFFERS * max(g.nbytes for g in self.groups)
@@ -108,7 +109,7 @@ class HostPins:
         if self.staging is not None:
             return True
         room = host_room()
-        return room is None or ring_bytes <= room
+        return room is None or 2 * ring_bytes <= room
 
     def stage_unpinned(self) -> None:
         """After a back-off: the groups that no longer stay resident stream from the pageable memory a resident

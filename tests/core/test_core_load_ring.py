@@ -148,11 +148,11 @@ def test_another_model_taking_pins_takes_the_load_ring_first(checker):
 
 
 def test_no_ring_without_room_for_it(checker, monkeypatch):
-    """A machine (or a container) with less host memory left than the ring: none is made, nothing is pinned for
-    it, and the resident groups load from pageable memory, bit-identical."""
+    """A machine (or a container) with less than twice the ring's bytes of host memory left: none is made,
+    nothing is pinned for it, and the resident groups load from pageable memory, bit-identical."""
     reference, offloaded, x = make_pair("cpu", depth=DEPTH)
-    monkeypatch.setattr(pinning, "host_room", lambda: 1)
     handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, prefetch=1)
+    monkeypatch.setattr(pinning, "host_room", lambda: 2 * ring_bytes(handle) - 1)
     registered = len(checker.cudart.sizes("register"))
     handle.set_resident_bytes(sum(g.nbytes for g in handle.groups) // 2)
     assert len(checker.cudart.sizes("register")) == registered and handle.stats()["staging_bytes"] == 0
