@@ -67,7 +67,8 @@ class HostPins:
         resident ones, which stream through the ring the load left (``stage_unpinned``) rather than pin one
         afresh, and the next replan loads through it again, so a back-off each run pins nothing. Nor is it kept
         through the run: it would hold two groups of page-locked memory, and of ComfyUI's pinned limit, that no
-        copy reads. A model loaded anew each run (two models taking turns) pins the ring once per load."""
+        copy reads. A model loaded anew each run (two models taking turns) pins the ring once per load; another
+        model that needs pins takes the ring before any streamed group's pin (``unpin``)."""
         started = time.perf_counter()
         refused = 0
         if self._pinner is not None:
@@ -96,11 +97,11 @@ class HostPins:
 
     def _ring_for_loading(self) -> bool:
         """Whether the resident groups not on the device yet load through a pinned ring (every group is packed,
-        every streamed one pinned, so that no stream needs one): where they hold more bytes than the ring (a ring that would carry less than its
-        own size is not worth registering) and, unless it is held already, it takes at most half the host
-        memory the process may still take (``host_room``: the RAM available, a container's limit), leaving as
-        much again to the rest of the load; the pinner may still refuse it (a pinned limit). Otherwise they
-        load from pageable memory, as without a ring."""
+        every streamed one pinned, so that no stream needs one): where they hold more bytes than the ring (a
+        ring that would carry less than its own size is not worth registering) and, unless it is held already,
+        it takes at most half the host memory the process may still take (``host_room``: the RAM available, a
+        container's limit), leaving as much again to the rest of the load; the pinner may still refuse it (a
+        pinned limit). Otherwise they load from pageable memory, as without a ring."""
         if self._runtime is None or self._pinner is None:
             return False
         ring_bytes = STAGING_BUFFERS * max(g.nbytes for g in self.groups)
