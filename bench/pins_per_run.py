@@ -2,8 +2,10 @@
 ``CheckedCudart``, a ``FakeCudart`` that records every successful call): no GPU needed.
 
 A run is what the nodes do per sampling run: ``handle.pin_streamed()`` (the patcher's ``pre_run``) and a
-forward; in the back-off setting the nodes' replan comes first and the last block runs out of memory once.
-The steady state (the 4th run) is printed, in largest groups of bytes (the staging ring is two of them).
+forward; in the back-off setting the nodes' replan comes first and the last block runs out of memory once; in
+the reload setting the nodes' load comes first (a replan, then ``onload_resident``), as when two models take
+turns. The steady state (the 4th run) is printed, in largest groups of bytes (the staging ring is two of them),
+with the copies that went through a staging buffer (the resident groups' loads through a ring among them).
 
     python bench/pins_per_run.py
 """
@@ -29,7 +31,7 @@ def _counts(cudart, since: int) -> tuple[int, int, int, int]:
     return len(registered), sum(registered), len(unregistered), sum(unregistered)
 
 
-def measure(name: str, setup, runs: int = 4, back_off: bool = False) -> None:
+def measure(name: str, setup, runs: int = 4, back_off: bool = False, reload: bool = False) -> None:
     checker = StreamChecker()
     torch.cuda.cudart = lambda: checker.cudart
     with checker, torch.inference_mode():
@@ -38,9 +40,12 @@ def measure(name: str, setup, runs: int = 4, back_off: bool = False) -> None:
         offloaded(x)  # the first run learns the order
         per_run = []
         for _ in range(runs):
-            since, discards = len(checker.cudart.calls), checker.discards
+            since, discards, staged = len(checker.cudart.calls), checker.discards, handle.ledger.staged_copies
             if back_off:
                 handle.set_resident_bytes(sum(g.nbytes for g in handle.groups))
+            if reload:
+                handle.set_resident_bytes(sum(g.nbytes for g in handle.groups if g.resident))
+                handle.onload_resident()
             handle.pin_streamed()
             if back_off:
                 with out_of_memory_inside(offloaded.blocks[11], failures=1):
@@ -48,13 +53,14 @@ def measure(name: str, setup, runs: int = 4, back_off: bool = False) -> None:
             else:
                 out = offloaded(x)
             assert torch.equal(out, reference(x))
-            per_run.append((*_counts(checker.cudart, since), checker.discards - discards))
+            per_run.append((*_counts(checker.cudart, since), checker.discards - discards,
+                            handle.ledger.staged_copies - staged))
         group = max(g.nbytes for g in handle.groups)
         handle.remove()
-    registered, registered_bytes, unregistered, unregistered_bytes, syncs = per_run[-1]
+    registered, registered_bytes, unregistered, unregistered_bytes, syncs, staged = per_run[-1]
     log.info("%-40s per run: %2d cudaHostRegister (%4.1f largest groups), %2d cudaHostUnregister (%4.1f largest "
-             "groups), %d device syncs for refusals", name, registered, registered_bytes / group, unregistered,
-             unregistered_bytes / group, syncs)
+             "groups), %d device syncs for refusals, %2d staged copies", name, registered, registered_bytes / group,
+             unregistered, unregistered_bytes / group, syncs, staged)
 
 
 def _past_a_limit(checker, model):
@@ -68,6 +74,11 @@ def _half_in_place(checker, model):
     return apply_group_offload(model, model.blocks, "cpu", runtime=checker, host_budget=budget)
 
 
+def _half_resident(checker, model):
+    resident = sum(p.numel() * p.element_size() for p in model.blocks.parameters()) // 2
+    return apply_group_offload(model, model.blocks, "cpu", runtime=checker, resident_bytes=resident)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     measure("all packed, all pinned", lambda c, m: apply_group_offload(m, m.blocks, "cpu", runtime=c))
@@ -75,6 +86,8 @@ def main() -> None:
     measure("half the groups kept in place", _half_in_place)
     measure("all resident, one back-off per run",
             lambda c, m: apply_group_offload(m, m.blocks, "cpu", runtime=c), back_off=True)
+    measure("all packed, all pinned, half resident", _half_resident)
+    measure("the same, reloaded each run", _half_resident, reload=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The memory limits this process really has: its memory cgroup's (a container's: Docker, Kubernetes, RunPod),
-at every level of the hierarchy above it, as Linux exposes them.
+at every level of the hierarchy above it, as Linux exposes them; and the host memory it may still take under all
+of them and the RAM available (``host_room``).
 
 A process in a container sees the whole machine's RAM in ``/proc/meminfo`` (and ``psutil``); what it may take
 is the cgroup's limit less what the cgroup already charged. The page cache a cgroup charged counts as room:
@@ -14,6 +15,7 @@ from pathlib import Path
 #: Where this process's cgroups and the kernel's mounts are listed.
 PROC_CGROUP = Path("/proc/self/cgroup")
 PROC_MOUNTINFO = Path("/proc/self/mountinfo")
+PROC_MEMINFO = Path("/proc/meminfo")
 #: At or past this, a v1 limit is "unlimited" (the kernel writes PAGE_COUNTER_MAX pages, rounded).
 _UNLIMITED_V1 = 2**62
 
@@ -50,6 +52,19 @@ def cgroup_limits(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = PROC_MOUNTI
         elif "memory" in controllers.split(",") and "memory" in mounts:
             found += _limits(mounts["memory"], path, _read_v1)
     return found
+
+
+def host_room(meminfo: Path = PROC_MEMINFO) -> int | None:
+    """The host memory this process may still take: the RAM available (``MemAvailable``) or a memory cgroup's
+    room, whichever is least; None where Linux says neither."""
+    rooms = [limit.room for limit in cgroup_limits()]
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                rooms.append(int(line.split()[1]) * 1024)  # (kB)
+    except (OSError, ValueError):
+        pass
+    return min(rooms, default=None)
 
 
 def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, Path]]:

@@ -2,7 +2,8 @@
 one copy at the pinned rate, without holding the host thread.
 
 Two kinds of groups go this way: those whose pinning was refused (a pinned-memory limit) and those
-beyond the host budget, whose tensors stay in place (views of a mapped file). A copy from pageable
+beyond the host budget, whose tensors stay in place (views of a mapped file); and the resident groups as
+they load (never pinned: their host copy is read again only once dropped). A copy from pageable
 memory runs at a tenth of the pinned rate (5.8–7.9 GB/s against 55 GB/s on an H200) and blocks the
 host while it runs. Instead, the engine keeps a ring of two pinned buffers and a gather worker: the
 worker copies the group's bytes into the next buffer (a host-to-host copy; for a mapped file, a read

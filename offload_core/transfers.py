@@ -7,7 +7,8 @@ by where the bytes come from:
 - the device is the host: a plain copy, there and then;
 - a pinned packed mirror: one copy on the copy stream, in the host thread's own time (it does not block);
 - a group kept in place, a packed mirror pinning refused, or a resident one where there is a ring
-  (``staged``): the gather worker copies its bytes into a buffer of the staging ring and queues the copy
+  (``staged``; the resident groups' load makes one where there is none: ``HostPins.pin_streamed``): the
+  gather worker copies its bytes into a buffer of the staging ring and queues the copy
   from there on the copy stream (``staging.py``); the group's ``pending`` future yields the ``ready``
   event once the worker queued it.
 

@@ -32,7 +32,8 @@ def test_every_setting_is_ordered(checker, blocks_per_group, prefetch, resident_
     handle = offload(offloaded, checker, blocks_per_group=blocks_per_group, prefetch=prefetch)
     handle.set_resident_bytes(int(resident_share * sum(g.nbytes for g in handle.groups)))
     stats = handle.stats()
-    assert stats["pinned_bytes"] == stats["streamed_bytes_per_pass"], "every streamed group pinned, no resident one"
+    assert stats["pinned_bytes"] - stats["staging_bytes"] == stats["streamed_bytes_per_pass"], \
+        "every streamed group pinned, no resident one (they load through the ring, where they hold more than it)"
     with torch.inference_mode():
         expected = reference(x)
         handle.onload_resident()
