@@ -451,7 +451,7 @@ def _hook_state_dict(base_model: nn.Module) -> None:
 
 def _keep_page_cache(handle: GroupOffloadHandle, base_model: nn.Module) -> None:
     """Give the groups left in place the page cache there is room for in this run (``page_cache_room``): where
-    it holds less than they need, the core keeps the first ones cached and releases the others' pages."""
+    it holds less than they need, the core keeps the first ones cached and reads the others again at each step."""
     in_place = handle.stats()["in_place_bytes"]
     if not in_place:
         return
@@ -459,7 +459,7 @@ def _keep_page_cache(handle: GroupOffloadHandle, base_model: nn.Module) -> None:
     kept = handle.keep_cached(room.bytes)
     if kept < in_place:
         log.info("Group Offload: %s of page cache for the %s left in place (bound by %s): %s of them stay cached, "
-                 "the others' pages are released after each gather and read again at each step",
+                 "the others are read from the disk at each step, around the page cache where the file system reads so",
                  format_bytes(room.bytes), format_bytes(in_place), room.bound_by, format_bytes(kept))
 
 
