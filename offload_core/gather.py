@@ -43,13 +43,18 @@ def default_threads() -> int:
     return max(1, min(MAX_THREADS, cores // 4))
 
 
+def dense_on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are its bytes, back to back in host memory: dense and contiguous, not a
+    quantized tensor nor a lazily conjugated or negated view (a plain subclass's too)."""
+    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
+
+
 def plain_bytes(target: torch.Tensor, source: torch.Tensor) -> bool:
-    """Whether copying ``source`` into ``target`` is copying its bytes: same dtype and shape, both dense and
-    contiguous in host memory, neither a tensor subclass nor a lazily conjugated or negated view."""
+    """Whether copying ``source`` into ``target`` is copying its bytes: same dtype and shape, both dense on the
+    host (``dense_on_host``), neither a tensor subclass."""
     return (target.dtype == source.dtype and target.shape == source.shape
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-                    and t.layout == torch.strided and not t.is_quantized and t.is_contiguous()
-                    and not t.is_conj() and not t.is_neg() for t in (target, source)))
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and dense_on_host(t) for t in (target, source)))
 
 
 class HostCopy:

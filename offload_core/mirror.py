@@ -15,6 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from .gather import dense_on_host
 from .hostmem import FileMappings, FilePages, FileRead, SourceFiles, advise_will_need, uncached_bytes
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class InPlaceMirror:
     def read_ahead(self) -> None:
         """Have the kernel start reading the mapped tensors from the disk into the page cache, ahead of the gather:
         those a gather reads through it (not those read around it, whose pages would only crowd the cache)."""
-        around = self._read_around_cache()
+        around = self._read_around_cache(self._released_from())
         for i, view in enumerate(self.views):
             if self._file_backed[i] and i not in around:
                 advise_will_need(view)
@@ -206,13 +207,13 @@ class InPlaceMirror:
         from_disk = sum(uncached_bytes(view) or 0 for view in self.mapped_views())
         released = self._released_from()
         intos = segment_views(target, self.segments)
-        around = self._read_around_cache(intos)
+        around = self._read_around_cache(released, intos)
         for i, skip in released.items():
             if i not in around:
                 self._pages[i].read_forward(self.views[i], skip)
         copied = [i for i in range(len(intos)) if i not in around]
-        reads = [self._pages[i].read_around_cache(_bytes_of(target, self.segments[i]), self.views[i], released[i])
-                 for i in around]
+        reads = [self._pages[i].read_around_cache(_bytes_of(target, self.segments[i]), self.views[i], skip)
+                 for i, skip in around.items()]
         if isinstance(copy, ManyCopy):
             copy.many([intos[i] for i in copied], [self.views[i] for i in copied], reads)
         else:
@@ -224,12 +225,13 @@ class InPlaceMirror:
             self._pages[i].release(self.views[i], skip)  # (read around it: pages cached before, at a load say)
         return from_disk
 
-    def _read_around_cache(self, intos: list[torch.Tensor] | None = None) -> list[int]:
-        """The tensors whose pages past ``cached_bytes`` a gather reads around the page cache: their file reads
-        so, and they and their segments of the target (``intos``, where known) are dense host bytes."""
-        released = self._released_from()
-        return [i for i in released if self._pages[i].direct is not None and _dense_on_host(self.views[i])
-                and (intos is None or _dense_on_host(intos[i]))]
+    def _read_around_cache(self, released: dict[int, int],
+                           intos: list[torch.Tensor] | None = None) -> dict[int, int]:
+        """Of ``released`` (``_released_from``), the tensors whose bytes past ``cached_bytes`` a gather reads around
+        the page cache: their file reads so, and they and their segments of the target (``intos``, where known)
+        are dense host bytes."""
+        return {i: skip for i, skip in released.items() if self._pages[i].direct is not None
+                and dense_on_host(self.views[i]) and (intos is None or dense_on_host(intos[i]))}
 
     def _released_from(self) -> dict[int, int]:
         """Tensor index -> the byte of it from which its pages are released after a gather (those past
@@ -241,12 +243,6 @@ class InPlaceMirror:
 def _bytes_of(buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
     """Segment ``segment`` of ``buffer`` (a flat ``uint8`` tensor) as bytes."""
     return buffer[segment.offset : segment.offset + segment.nbytes]
-
-
-def _dense_on_host(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s values are its bytes, back to back in host memory (a plain subclass's too)."""
-    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
-            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
 
 def _unpin(pinner: Pinner, buffer: torch.Tensor, drain: Callable[[], None] | None) -> None:
