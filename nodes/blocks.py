@@ -37,6 +37,11 @@ _EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "VaceWanModel": ("blocks",),
 }
 
+# A text encoder's owner of the blocks, by the model its patcher holds (``own_text_encoder_layers``); a diffusion
+# model's is its ``diffusion_model``.
+DIFFUSION_MODEL = "diffusion_model"
+_OWNER_PATHS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
 # Found once per model, while its lists are in place: the patcher hides them during ComfyUI's load.
 _FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 _LOGGED: set[tuple[str, tuple[str, ...], str]] = set()
@@ -62,6 +67,16 @@ def _in_the_trunk(diffusion_model: nn.Module, path: str, total: int) -> bool:
 
 def _generic_block_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
     """Paths of the outermost one-class lists holding a tenth or more of the weights, in registration order."""
+    found = _trunk_lists(diffusion_model)
+    if not found:
+        raise ValueError(f"Group Offload does not know where {type(diffusion_model).__name__} keeps its blocks: "
+                         f"no list of repeated modules holds most of its weights; connect the model to the "
+                         f"sampler without Group Offload")
+    return found
+
+
+def _trunk_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
+    """The generic rule's block lists, or none where they would not hold most of the weights."""
     total = _nbytes(diffusion_model)
     found: list[str] = []
     for path, module in diffusion_model.named_modules():
@@ -70,11 +85,7 @@ def _generic_block_lists(diffusion_model: nn.Module) -> tuple[str, ...]:
         if _nbytes(module) >= _MIN_LIST_SHARE * total and _in_the_trunk(diffusion_model, path, total):
             found.append(path)
     held = sum(_nbytes(diffusion_model.get_submodule(path)) for path in found)
-    if total == 0 or 2 * held <= total:
-        raise ValueError(f"Group Offload does not know where {type(diffusion_model).__name__} keeps its blocks: "
-                         f"no list of repeated modules holds most of its weights; connect the model to the "
-                         f"sampler without Group Offload")
-    return tuple(found)
+    return tuple(found) if total and 2 * held > total else ()
 
 
 def _exception_for(diffusion_model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
@@ -148,3 +159,47 @@ def refuse_weight_caches(diffusion_model: nn.Module) -> None:
                                  "copies of its weights from call to call (ComfyUI-GGUF's Q4_CR files), which would "
                                  "outlive the streamed bytes they are made from. Run this model without Group "
                                  "Offload, or use a GGUF file of another type (Q8_0, Q4_K_M...)")
+
+
+# --- whose blocks: a diffusion model's, or a text encoder's layers ------------------------------------------
+
+def owner_path(base_model: nn.Module) -> str:
+    """The attribute of ``base_model`` (a patcher's model) holding the module whose forward runs the blocks."""
+    return _OWNER_PATHS.get(base_model, DIFFUSION_MODEL)
+
+
+def blocks_owner(base_model: nn.Module) -> nn.Module:
+    """The module of ``base_model`` whose forward runs the blocks: its diffusion model, or for a CLIP the text
+    encoder that holds the layers (``own_text_encoder_layers``). Its blocks are ``find_blocks(owner)``."""
+    return base_model.get_submodule(owner_path(base_model))
+
+
+def is_text_encoder(base_model: nn.Module) -> bool:
+    return base_model in _OWNER_PATHS
+
+
+def own_text_encoder_layers(text_encoders: nn.Module) -> str:
+    """The text encoder inside a CLIP's model (``CLIP.cond_stage_model``: one encoder, or several side by side as
+    for SD3 and Flux) whose layers hold most of the weights, by the generic rule, as the owner of the blocks;
+    its attribute. ``ValueError`` naming the class where no encoder holds them."""
+    name = type(text_encoders).__name__
+    paths = _trunk_lists(text_encoders)
+    if not paths:
+        raise ValueError(f"Group Offload (text encoder) does not know where {name} keeps its transformer layers: no "
+                         f"list of repeated modules holds most of its weights. Connect the CLIP to the text encode "
+                         f"nodes without Group Offload (text encoder)")
+    owner = paths[0].split(".")[0]
+    if any(path.count(".") == 0 or path.split(".")[0] != owner for path in paths):  # (the trunk is one encoder)
+        raise ValueError(f"Group Offload (text encoder) cannot stream {name}: its layers ({', '.join(paths)}) are not "
+                         f"inside one text encoder whose forward runs them. Connect the CLIP to the text encode "
+                         f"nodes without Group Offload (text encoder)")
+    _OWNER_PATHS[text_encoders] = owner
+    return owner
+
+
+def encoders_left_whole(text_encoders: nn.Module) -> list[tuple[str, int]]:
+    """The other text encoders beside the one whose layers stream (CLIP-L and CLIP-G beside SD3's T5), with their
+    bytes: ComfyUI loads them as it does without the node."""
+    owner = owner_path(text_encoders)
+    return [(name, _nbytes(child)) for name, child in text_encoders.named_children()
+            if name != owner and _nbytes(child)]

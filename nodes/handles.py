@@ -16,7 +16,7 @@ import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, OutsideUseWatch, apply_group_offload, format_bytes, handle_of
-from .blocks import find_blocks
+from .blocks import blocks_owner, find_blocks
 from .compiler import ComfyCudaRuntime
 from .memory import (HostBudget, anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks,
                      raw_group_bytes, room_on_the_card)
@@ -170,12 +170,12 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
     call has run blocks, the entries are being learnt: a block's tensor used outside all of them is an
     error naming the model and the tensor, raised before it is used (``OutsideUseWatch``; not while
     torch.compile traces the whole model: its graphs would hold the check)."""
-    diffusion_model = base_model.diffusion_model
+    owner = blocks_owner(base_model)
     state = state_of(base_model)
     _remove_guards(state)
     model_ref, handle_ref = weakref.ref(base_model), weakref.ref(handle)
     learning = {"entered": 0, "done": False}
-    name = type(diffusion_model).__name__
+    name = type(owner).__name__
 
     def outside_use(qualname: str) -> str:
         return (f"Group Offload: {name} uses {qualname} of its transformer blocks without calling the block or a "
@@ -183,7 +183,7 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
                 f"model to the sampler without Group Offload")
 
     def before_call(module, args):
-        patcher = getattr(model_ref(), "current_patcher", None)
+        patcher = driving_patcher(model_ref())
         if patcher is not None and patcher not in state.offload_patchers:
             log.info("Group Offload: a plain patcher runs this model now; removing the offload hooks")
             remove_handle(model_ref())
@@ -207,8 +207,18 @@ def _guard(base_model: nn.Module, handle: GroupOffloadHandle) -> None:
             log.debug("Group Offload: %s runs its blocks through %s", name, ", ".join(handle.settle_entries()))
 
     state.handle = handle_ref
-    state.guards = [diffusion_model.register_forward_pre_hook(before_call),
-                    diffusion_model.register_forward_hook(after_call, always_call=True)]
+    state.guards = [owner.register_forward_pre_hook(before_call),
+                    owner.register_forward_hook(after_call, always_call=True)]
+
+
+def driving_patcher(base_model: nn.Module) -> ModelPatcher | None:
+    """The patcher running ``base_model`` now: a diffusion model's ``current_patcher`` (set by the sampler); for a
+    text encoder, which has none, the patcher of it that ComfyUI loaded last (``CLIP.load_model`` loads it before
+    each encode)."""
+    if hasattr(base_model, "current_patcher"):
+        return base_model.current_patcher
+    return next((loaded.model for loaded in mm.current_loaded_models
+                 if loaded.model is not None and loaded.model.model is base_model), None)
 
 
 def stop_watching(state: ModelState) -> None:
@@ -257,7 +267,7 @@ def _disown_handle(model: nn.Module) -> None:
 
 def remove_handle(base_model: nn.Module) -> None:
     """Hooks and pinned memory gone; the weights stay, as ordinary host memory."""
-    blocks = find_blocks(base_model.diffusion_model)
+    blocks = find_blocks(blocks_owner(base_model))
     handle = handle_of(blocks[0]) if blocks else None
     if handle is not None:
         handle.remove()
@@ -298,5 +308,5 @@ def _handles_giving_pins_first(keep: nn.Module | None) -> list[GroupOffloadHandl
     loaded = {id(m.model.model) for m in mm.current_loaded_models if m.model is not None}
     others = [(m, state) for m, state in every_state() if state.guards and m is not keep]  # the others with a handle
     others.sort(key=lambda item: (id(item[0]) in loaded, item[1].run_started))
-    handles = [handle_of(find_blocks(m.diffusion_model)[0]) for m, _ in others]
+    handles = [handle_of(find_blocks(blocks_owner(m))[0]) for m, _ in others]
     return [h for h in handles if h is not None]

@@ -189,7 +189,7 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     inner_keys = _inner_tensor_keys(path, diffusion_model)
     _check_block_keys(path, diffusion_model, blocks)
     _map_blocks(diffusion_model, st, mapping, file_keys, inner_keys)
-    _copy_out_of(mapping, diffusion_model)
+    copy_out_of(mapping, diffusion_model)
     offloaded = make_offloaded(patcher, settings)
     build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
@@ -228,25 +228,25 @@ def _map_blocks(diffusion_model: nn.Module, st: SafetensorsFile, mapping: torch.
                 file_keys: dict[str, str | None], inner_keys: dict[str, list[str]]) -> None:
     """Every block tensor left on the meta device becomes a view of the mapped file (a quantized weight,
     rebuilt over views of its inner tensors' keys)."""
-    for key, module, table, attr in _tensor_slots(diffusion_model, in_blocks=True):
+    for key, module, table, attr in tensor_slots(diffusion_model, in_blocks=True):
         inner = flatten(table[attr])[1]
         if any(t.is_meta for t in inner):  # (the others were read at once, being small, or made by ComfyUI)
-            _replace(module, table, attr, [st.view(mapping, _file_key(st, file_keys, part), like)
+            replace_tensor(module, table, attr, [st.view(mapping, _file_key(st, file_keys, part), like)
                                            for part, like in zip(inner_keys.get(key, [key]), inner)])
 
 
-def _copy_out_of(mapping: torch.Tensor, diffusion_model: nn.Module) -> None:
+def copy_out_of(mapping: torch.Tensor, diffusion_model: nn.Module) -> None:
     """The tensors outside the blocks still in the file's read-only mapping (a quantized layer keeps the
     parts the state dict gave it) get memory of their own: ComfyUI may patch those in place (weight
     hooks), and a write to the mapping faults. Only the blocks' writes go elsewhere (to device copies)."""
     start, end = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
-    for _, module, table, attr in _tensor_slots(diffusion_model, in_blocks=False):
+    for _, module, table, attr in tensor_slots(diffusion_model, in_blocks=False):
         inner = flatten(table[attr])[1]
         if any(start <= t.data_ptr() < end for t in inner):
-            _replace(module, table, attr, [t.clone() for t in inner])
+            replace_tensor(module, table, attr, [t.clone() for t in inner])
 
 
-def _tensor_slots(diffusion_model: nn.Module, in_blocks: bool) -> Iterator[tuple[str, nn.Module, dict, str]]:
+def tensor_slots(diffusion_model: nn.Module, in_blocks: bool) -> Iterator[tuple[str, nn.Module, dict, str]]:
     """(key, module, table, attribute) of every parameter and buffer inside (or outside) the block lists."""
     paths = block_list_paths(diffusion_model)
     prefixes = tuple(f"{path}." for path in paths)
@@ -258,7 +258,7 @@ def _tensor_slots(diffusion_model: nn.Module, in_blocks: bool) -> Iterator[tuple
                 yield f"{name}.{attr}", module, table, attr
 
 
-def _replace(module: nn.Module, table: dict, attr: str, parts: list[torch.Tensor]) -> None:
+def replace_tensor(module: nn.Module, table: dict, attr: str, parts: list[torch.Tensor]) -> None:
     """``table[attr]`` becomes a tensor over ``parts`` (a quantized weight's, rebuilt), as ComfyUI made it."""
     tensor = table[attr]
     flat = flatten(tensor)[0]

@@ -66,6 +66,10 @@ class ModelState:
     #: whether the state-dict hook is on the diffusion model
     state_dict_hooked: bool = False
 
+    # --- a text encoder (text_encoder.py) ---
+    #: whether the hooks that make each encode a run for the telemetry are on the owning encoder
+    encodes_hooked: bool = False
+
     # --- Dynamic VRAM (patcher.py) ---
     #: for a Dynamic VRAM model, its non-dynamic twin, as ``clone(model_override=...)`` takes it
     non_dynamic_twin: tuple | None = None

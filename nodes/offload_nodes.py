@@ -1,16 +1,19 @@
-"""The three nodes: Group Offload (no copy-back), its loader, and the report."""
+"""The nodes: Group Offload (no copy-back), its loader, Group Offload (text encoder), and the report."""
 from __future__ import annotations
 
 from typing import Any
 
+import comfy.sd
 import folder_paths
 import nodes as comfy_nodes
 import torch
 
+from .clip_loader import load_offloaded_clip
 from .loader import load_offloaded
 from .patcher import GroupOffloadPatcher, make_offloaded
 from .settings import GB_INPUT_MAX, GB_INPUT_MIN, HOST_MEMORY_MODES, RESIDENCY_MODES, OffloadSettings
 from .telemetry import last_run
+from .text_encoder import make_offloaded_clip
 
 OFFLOAD_INPUTS: dict[str, tuple] = {
     "blocks_per_group": ("INT", {
@@ -92,6 +95,25 @@ class GroupOffload(_OffloadInputsValidation):
         return (make_offloaded(model, _settings(unique_id, **inputs)),)
 
 
+class GroupOffloadTextEncoder(_OffloadInputsValidation):
+    TITLE = "Group Offload (text encoder)"
+    CATEGORY = "advanced/conditioning"
+    DESCRIPTION = ("Keeps the text encoder's transformer layers in host memory (pinned, for the groups that stream) "
+                   "and copies each group to the GPU just before it runs, never copying weights back, as Group "
+                   "Offload (no copy-back) does for the diffusion model. Connect it before the text encode nodes; "
+                   "the conditioning is the one ComfyUI makes.")
+    RETURN_TYPES = ("CLIP",)
+    OUTPUT_TOOLTIPS = ("The same CLIP, with its text encoder's layers offloaded.",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _input_types({"clip": ("CLIP", {"tooltip": "The text encoder (CLIP) to offload."})})
+
+    def apply(self, clip, unique_id=None, **inputs):
+        return (make_offloaded_clip(clip, _settings(unique_id, **inputs)),)
+
+
 class GroupOffloadLoader(_OffloadInputsValidation):
     TITLE = "Load Diffusion Model (Group Offload)"
     CATEGORY = "advanced/loaders"
@@ -115,6 +137,32 @@ class GroupOffloadLoader(_OffloadInputsValidation):
     def load(self, unet_name, weight_dtype, unique_id=None, **inputs):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         return (load_offloaded(path, _unet_model_options(weight_dtype), _settings(unique_id, **inputs)),)
+
+
+class GroupOffloadCLIPLoader(_OffloadInputsValidation):
+    TITLE = "Load CLIP (Group Offload)"
+    CATEGORY = "advanced/loaders"
+    DESCRIPTION = ("Load CLIP, with the text encoder's transformer layers read from the file straight into packed host "
+                   "copies (pinned, for the groups that stream), as far as the host memory allows; the other layers "
+                   "stream from the file's pages. The text encoder never lands on the GPU whole.")
+    RETURN_TYPES = ("CLIP",)
+    OUTPUT_TOOLTIPS = ("The text encoder, with its layers offloaded.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        clip_type = comfy_nodes.CLIPLoader.INPUT_TYPES()["required"]["type"]
+        return _input_types({
+            "clip_name": (folder_paths.get_filename_list("text_encoders"),
+                          {"tooltip": "The text encoder file (models/text_encoders), .safetensors."}),
+            "type": (clip_type[0], {"tooltip": "The model the text encoder is for, as Load CLIP takes it."}),
+        })
+
+    def load(self, clip_name, type, unique_id=None, **inputs):
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
+        return (load_offloaded_clip([path], clip_type, {}, _settings(unique_id, **inputs),
+                                    embedding_directory=folder_paths.get_folder_paths("embeddings")),)
 
 
 # UNETLoader's weight_dtype choices and the model options it derives from each.
@@ -160,5 +208,6 @@ class GroupOffloadReport:
         return {"ui": {"group_offload": [stats]}, "result": (samples,)}
 
 
-NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (GroupOffload, GroupOffloadLoader, GroupOffloadReport)}
+NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (GroupOffload, GroupOffloadLoader, GroupOffloadTextEncoder,
+                                                          GroupOffloadCLIPLoader, GroupOffloadReport)}
 NODE_DISPLAY_NAME_MAPPINGS = {name: cls.TITLE for name, cls in NODE_CLASS_MAPPINGS.items()}

@@ -48,7 +48,8 @@ import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, check_offloadable, format_bytes, handle_of
-from .blocks import block_list_owners, block_list_paths, find_blocks, refuse_weight_caches
+from .blocks import (block_list_owners, block_list_paths, blocks_owner, find_blocks, is_text_encoder,
+                     own_text_encoder_layers, owner_path, refuse_weight_caches)
 from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
                       stop_watching, warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
@@ -62,9 +63,10 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _blocks_hidden(diffusion_model: nn.Module) -> Iterator[None]:
+def _blocks_hidden(blocks_owner: nn.Module) -> Iterator[None]:
     """Take the block lists out of the module tree, so ComfyUI's loader sees only the rest."""
-    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in block_list_owners(diffusion_model)]
+    lists = block_list_owners(blocks_owner)
+    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in lists]
     try:
         for owner, attribute, blocks in saved:
             setattr(owner, attribute, type(blocks)())  # empty, of the same kind
@@ -126,7 +128,7 @@ class GroupOffloadPatcher(ModelPatcher):
         return other_bytes + patch_bytes + plan.device_bytes()
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        with _blocks_hidden(self.model.diffusion_model):
+        with _blocks_hidden(blocks_owner(self.model)):
             super().load(device_to, lowvram_model_memory=lowvram_model_memory,
                          force_patch_weights=force_patch_weights, full_load=True)
         other_bytes = mm.module_size(self.model) - module_bytes(self.blocks())
@@ -196,7 +198,7 @@ class GroupOffloadPatcher(ModelPatcher):
         # which the handle no longer re-points: the move happens here, without them.
         super().unpatch_model(None, unpatch_weights)
         if device_to is not None:
-            with _blocks_hidden(self.model.diffusion_model):
+            with _blocks_hidden(blocks_owner(self.model)):
                 self.model.to(device_to)
             self.model.device = device_to
 
@@ -332,7 +334,7 @@ class GroupOffloadPatcher(ModelPatcher):
     # --- the handle ---------------------------------------------------------------------------
 
     def blocks(self) -> list[nn.Module]:
-        return find_blocks(self.model.diffusion_model)
+        return find_blocks(blocks_owner(self.model))
 
     def current_handle(self) -> GroupOffloadHandle | None:
         blocks = self.blocks()  # empty while ComfyUI's own load runs with the blocks hidden
@@ -384,8 +386,8 @@ class GroupOffloadPatcher(ModelPatcher):
         return {key: patch for key, patch in patches.items() if self._is_block_key(key)}
 
     def _is_block_key(self, key: str) -> bool:
-        paths = block_list_paths(self.model.diffusion_model)
-        return key.startswith(tuple(f"diffusion_model.{path}." for path in paths))
+        owner = owner_path(self.model)
+        return key.startswith(tuple(f"{owner}.{path}." for path in block_list_paths(blocks_owner(self.model))))
 
     @property
     def _run_reads(self) -> contextlib.ExitStack:
@@ -424,7 +426,7 @@ def _blocks_in_state_dict(model_state: ModelState, state: dict, prefix: str) -> 
     patcher = None if reader is None else reader()
     if patcher is None:
         return
-    keys = {f"diffusion_model.{key[len(prefix):]}": key for key in state if key.startswith(prefix)}
+    keys = {f"{owner_path(patcher.model)}.{key[len(prefix):]}": key for key in state if key.startswith(prefix)}
     weights = patcher._block_weights([k for k in keys if patcher._is_block_key(k)], patched=patcher._loaded_patched())
     for key, weight in weights.items():
         state[keys[key]] = weight
@@ -437,13 +439,14 @@ def _hook_state_dict(base_model: nn.Module) -> None:
     if model_state.state_dict_hooked:
         return
     model_state.state_dict_hooked = True
-    hooked = weakref.ref(base_model.diffusion_model)
+    owner = blocks_owner(base_model)
+    hooked = weakref.ref(owner)
 
     def blocks_in_state_dict(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
         if module is hooked():
             _blocks_in_state_dict(model_state, state, prefix)
 
-    base_model.diffusion_model.register_state_dict_post_hook(blocks_in_state_dict)
+    owner.register_state_dict_post_hook(blocks_in_state_dict)
 
 
 # --- making one -----------------------------------------------------------------------------------
@@ -502,22 +505,31 @@ _WRAPPERS = {comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING: plan_for_the_r
 
 
 def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOffloadPatcher:
-    """A clone of ``model`` that offloads its blocks; the input stays as it was."""
+    """A clone of ``model`` (a diffusion model's patcher, or a CLIP's whose text encoder owns its layers:
+    ``own_text_encoder_layers``) that offloads its blocks; the input stays as it was."""
     settings.validate()
-    check_offloadable(find_blocks(model.model.diffusion_model))  # fail now, in this node, not in the sampler
-    refuse_weight_caches(model.model.diffusion_model)
+    owner = blocks_owner(model.model)
+    check_offloadable(find_blocks(owner))  # fail now, in this node, not in the sampler
+    refuse_weight_caches(owner)
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
+    if clone.model is not model.model and is_text_encoder(model.model):  # (a Dynamic VRAM text encoder's twin)
+        own_text_encoder_layers(clone.model)
     clone.__class__ = _offload_class(type(clone))
     clone.offload_settings = settings
     clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram
     own_handle(clone)
     _hook_state_dict(clone.model)
+    if not is_text_encoder(clone.model):  # (a text encoder is never sampled)
+        _add_sampling_wrappers(clone)
+    # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
+    # device before this one loads, instead of taking that state as already loaded.
+    clone.patches_uuid = uuid.uuid4()
+    return clone
+
+
+def _add_sampling_wrappers(clone: GroupOffloadPatcher) -> None:
     if post_cfg_step not in clone.model_options.get("sampler_post_cfg_function", []):
         clone.set_model_sampler_post_cfg_function(post_cfg_step)  # marks steps for the telemetry
     for kind, wrapper in _WRAPPERS.items():
         clone.remove_wrappers_with_key(kind, _WRAPPER_KEY)  # (once, however often the model was offloaded)
         clone.add_wrapper_with_key(kind, _WRAPPER_KEY, wrapper)
-    # A new identity for its weights: ComfyUI then unpatches whatever another clone left on the
-    # device before this one loads, instead of taking that state as already loaded.
-    clone.patches_uuid = uuid.uuid4()
-    return clone

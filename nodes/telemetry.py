@@ -47,6 +47,7 @@ class RunTelemetry:
     _step_start: tuple[float, int, int] = field(default_factory=lambda: (time.perf_counter(), 0, 0))
     _last_sent: float | None = None
     host_limit: str | None = None  # the limit that bound the host budget (``handles.host_limit``)
+    left_whole: list[tuple[str, int]] = field(default_factory=list)  # text encoders loaded as ComfyUI loads them
 
     def on_step(self) -> None:
         """A denoising step has ended: close it, and send the figures unless one was sent just now."""
@@ -66,16 +67,18 @@ class RunTelemetry:
 
     def payload(self, final: bool) -> dict[str, Any]:
         return telemetry_payload(self.handle.stats(), self.steps, self.node_id, self.cpu_only, final, self.formats,
-                                 self.host_dequantized_bytes, self.host_limit)
+                                 self.host_dequantized_bytes, self.host_limit, self.left_whole)
 
 
 def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: str | None,
                       cpu_only: bool, final: bool, formats: list[tuple[str, int]] = (),
-                      host_dequantized_bytes: int = 0, host_limit: str | None = None) -> dict[str, Any]:
+                      host_dequantized_bytes: int = 0, host_limit: str | None = None,
+                      left_whole: list[tuple[str, int]] = ()) -> dict[str, Any]:
     """The message the front end draws: the handle's figures plus the per-step streamed GB/s; the quantized
     formats the blocks are stored in (``quantized_formats``) and the bytes of them dequantized on the host
     (``host_dequantized_bytes``); and, when groups are left in place, where their host copies are, how fast
-    they were gathered, how much of them stays in the page cache, and the limit that bound the host budget."""
+    they were gathered, how much of them stays in the page cache, and the limit that bound the host budget; for a
+    text encoder, the encoders beside it that load whole (``left_whole``: name, bytes)."""
     seconds = sum(s.seconds for s in steps)
     streamed = sum(s.bytes_h2d for s in steps)
     gathered = sum(s.gathered_bytes for s in steps)
@@ -115,6 +118,7 @@ def telemetry_payload(stats: dict[str, Any], steps: list[StepSample], node_id: s
         "gathered_bytes_per_step": gathered / len(steps) if steps else 0.0,
         "gather_gbps": stats["gathered_bytes"] / stats["gather_seconds"] / 1e9 if stats["gather_seconds"] > 0 else 0.0,
         "read_ahead": stats["read_ahead"],
+        "left_whole": [list(item) for item in left_whole],
     }
 
 
@@ -164,12 +168,13 @@ def send(payload: dict[str, Any]) -> None:
 
 
 def start_run(model: nn.Module, handle: GroupOffloadHandle, node_id: str | None, cpu_only: bool,
-              host_limit: str | None = None) -> None:
-    """Open a sampling run of ``model`` (a patcher's ``model``), closing the one still open."""
+              host_limit: str | None = None, left_whole: list[tuple[str, int]] = ()) -> None:
+    """Open a sampling run (or an encode) of ``model`` (a patcher's ``model``), closing the one still open."""
     finish_run(model)
     handle.reset_stats()
     state_of(model).run = RunTelemetry(handle, node_id, cpu_only, quantized_formats(handle),
-                                       host_dequantized_bytes(handle), host_limit=host_limit)
+                                       host_dequantized_bytes(handle), host_limit=host_limit,
+                                       left_whole=list(left_whole))
 
 
 def step_done(model: nn.Module) -> None:

@@ -103,6 +103,7 @@ function rows(stats) {
     ["Resident", `${stats.resident_groups} of ${plural(stats.groups, "group")} · ${formatBytes(stats.resident_bytes)}`],
     ["Streamed", `${plural(stats.streamed_groups, "group")} · ${formatBytes(stats.streamed_bytes_per_pass)} a pass`],
     ...(stats.formats?.length ? [["Stored as", formatShares(stats.formats, 3)]] : []),
+    ...(stats.left_whole?.length ? [["Loaded whole", loadedWhole(stats.left_whole)]] : []),
     pinnedRow(stats),
     ...(stats.in_place_bytes > 0 ? inPlaceRows(stats) : []),
     ["Per step", `${formatBytes(stats.bytes_per_step)} streamed`],
@@ -111,6 +112,12 @@ function rows(stats) {
       ? ["GPU → host", `${formatBytes(dequantizedOnHost)} a pass, dequantized on the host · ${formatBytes(d2h)} copied back`, COLORS.bad]
       : ["GPU → host", d2h === 0 ? "0 B · nothing copied back" : `${formatBytes(d2h)} copied back`, d2h === 0 ? COLORS.ok : COLORS.bad],
   ];
+}
+
+/** A text encoder's: the encoders beside the one whose layers stream, which ComfyUI loads as it does without the
+ *  node (CLIP-L and CLIP-G beside SD3's T5): "clip_l 235 MB · clip_g 1.39 GB". */
+function loadedWhole(encoders) {
+  return encoders.map(([name, bytes]) => `${name} ${formatBytes(bytes)}`).join(" · ");
 }
 
 /** Pinned host memory of the mirrors; short of the streamed packed bytes, some copies come from pageable memory

@@ -4,7 +4,7 @@
 
 /** Websocket event of nodes/telemetry.py (EVENT); its payload carries the node's execution id. */
 export const TELEMETRY_EVENT = "group_offload.telemetry";
-export const TELEMETRY_NODE_TYPES = new Set(["GroupOffload", "GroupOffloadLoader"]);
+export const TELEMETRY_NODE_TYPES = new Set(["GroupOffload", "GroupOffloadLoader", "GroupOffloadTextEncoder", "GroupOffloadCLIPLoader"]);
 export const REPORT_NODE_TYPE = "GroupOffloadReport";
 
 /** Compose `callback` after `object[name]`: both run with the same arguments; returns the callback's

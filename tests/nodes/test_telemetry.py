@@ -27,7 +27,7 @@ FRONT_END_FIELDS = {
     "compute_wait_ms", "hook_us_per_group", "formats", "host_dequantized_bytes_per_pass", "steps", "bytes_per_step",
     "h2d_gbps", "step_gbps", "packed_bytes", "in_place_bytes", "file_backed_bytes", "kept_cached_bytes", "host_limit",
     "gathered_bytes",
-    "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps", "read_ahead",
+    "gathered_from_disk_bytes", "gathered_bytes_per_step", "gather_gbps", "read_ahead", "left_whole",
 }
 
 
