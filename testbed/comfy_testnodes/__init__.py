@@ -1,7 +1,8 @@
 """TEST ONLY node pack for the Group Offload tests; never installed for users.
 
-Importing it widens ComfyUI's Qwen-Image detection (see ``fixture_models.widen_qwen_detection``) so that a
-server started with it can load the tiny fixture models, and registers a node that stands in for the
+Importing it widens ComfyUI's Qwen-Image detection (see ``fixture_models.widen_qwen_detection``) and narrows its
+text-encoder detection (``text_encoders.narrow_text_encoder_configs``) so that a server started with it can load the
+tiny fixture models, and registers a node that stands in for the
 7B Qwen text encoder, one that makes a block of a model run out of GPU memory (see
 ``GroupOffloadTestOutOfMemory``) and one that gives a model a weight Group Offload cannot pack
 (``GroupOffloadTestPlainSubclass``). With ``GROUP_OFFLOAD_FAKE_CUDART=1`` in its environment the server pins through
@@ -25,8 +26,10 @@ if _REPO_ROOT not in sys.path:
 
 from testbed.fixture_models import widen_qwen_detection  # noqa: E402
 from testbed.run_nodes import make_test_conditioning  # noqa: E402
+from testbed.text_encoders import narrow_text_encoder_configs  # noqa: E402
 
 widen_qwen_detection()
+narrow_text_encoder_configs()
 
 _fake_cudart = None  # the CUDA-runtime stand-in, when the server runs with it
 if os.environ.get("GROUP_OFFLOAD_FAKE_CUDART") == "1":
