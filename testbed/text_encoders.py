@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from testbed.comfy_boot import boot_comfyui_in_process, comfyui_path, prepare_comfy_import
 from testbed.fixture_models import cached_fixture, fill_seeded, link_or_copy, save_safetensors
@@ -130,21 +131,26 @@ class Encoder:
                 and embedding.shape[1] <= TINY_WIDTH_LIMIT and all(key in sd for key in self.requires))
 
 
-_T5_TINY = {"d_model": 64, "num_heads": 2, "d_kv": 32, "d_ff": 128, "num_layers": 2}
-_CLIP_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 1, "projection_dim": 64}
+# Narrow, with the real vocabularies, yet the layers hold most of the weights, as in every real text encoder (the
+# block finder groups the layers only then): their feed-forward widths make up for the embeddings. The trunk
+# holds most of a dual or triple CLIP's weights as in the real ones (T5 beside CLIP-L, CLIP-G beside CLIP-L).
+_T5_TINY = {"d_model": 64, "num_heads": 2, "d_kv": 32, "d_ff": 49152, "num_layers": 2}
+_UMT5_TINY = {**_T5_TINY, "d_ff": 65536}  # (its embedding is eight times T5's)
+_CLIP_TINY = {"hidden_size": 64, "intermediate_size": 12288, "num_attention_heads": 1, "projection_dim": 64}
 # Heads of the real width (128), fewer of them: 2 query heads over 1 key/value head, as the real ones group.
-_LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+_LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 40960, "num_attention_heads": 2, "num_key_value_heads": 1,
                "num_hidden_layers": 2}
 
 # The tiny files, by name; a state dict is the first encoder here that it matches.
 ENCODERS: dict[str, Encoder] = {
-    "umt5_xxl": Encoder("T5_XXL", "umt5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 256384, _T5_TINY,
+    "umt5_xxl": Encoder("T5_XXL", "umt5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 256384, _UMT5_TINY,
                         json_config="comfy/text_encoders/umt5_config_xxl.json", spiece_model=True),
     "t5_xxl": Encoder("T5_XXL", "t5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 32128, _T5_TINY,
                       json_config="comfy/text_encoders/t5_config_xxl.json"),
     # ComfyUI tells CLIP-G by its layer 30 (detection and SDXLClipModel.load_sd), so the tiny one keeps its 32.
     "clip_g": Encoder("CLIP_G", "clip_g", "comfy.clip_model.CLIPTextModel", "text_model.embeddings.token_embedding.weight",
-                      49408, {**_CLIP_TINY, "num_hidden_layers": 32}, json_config="comfy/clip_config_bigg.json",
+                      49408, {**_CLIP_TINY, "intermediate_size": 4096, "num_hidden_layers": 32},
+                      json_config="comfy/clip_config_bigg.json",
                       requires=("text_model.encoder.layers.30.mlp.fc1.weight",), min_layers=31),
     # Two layers at least: ComfyUI tells CLIP-L from T5 by its layer 1 (FluxClipModel.load_sd).
     "clip_l": Encoder("CLIP_L", "clip_l", "comfy.clip_model.CLIPTextModel", "text_model.embeddings.token_embedding.weight",
@@ -155,7 +161,8 @@ ENCODERS: dict[str, Encoder] = {
                          vision={"hidden_size": _VISION_HEAD_DIM, "num_heads": 1, "intermediate_size": 64, "num_layers": 2}),
     # Z-Image takes the next-to-last layer's output: three layers at least.
     "qwen3_4b": Encoder("QWEN3_4B", "qwen3_4b", "comfy.text_encoders.llama.Qwen3_4B", "model.embed_tokens.weight",
-                        151936, {**_LLAMA_TINY, "num_hidden_layers": 3}, llama_config="Qwen3_4BConfig", min_layers=3),
+                        151936, {**_LLAMA_TINY, "intermediate_size": 32768, "num_hidden_layers": 3},
+                        llama_config="Qwen3_4BConfig", min_layers=3),
 }
 
 
@@ -183,7 +190,8 @@ def narrow_text_encoder_configs() -> None:
     ``comfy.sd.load_text_encoder_state_dicts`` (a tiny state dict's widths, read from its weights, go into
     ``model_options["<model_name>_model_config"]``, ComfyUI's own override of the text model's config; Qwen2.5-VL's
     vision tower, built with fixed widths, gets its widths during that load through a wrapped
-    ``Qwen2VLVisionTransformer.__init__``; ComfyUI's long-CLIP check, ``long_clipl.model_options_long_clip``, which
+    ``Qwen2VLVisionTransformer.__init__``; ``comfy.sd.t5xxl_detect`` reads a tiny T5's dtype, as ComfyUI reads a real
+    one's; ComfyUI's long-CLIP check, ``long_clipl.model_options_long_clip``, which
     replaces a CLIP's option with its own, keeps the widths for a tiny CLIP). State dicts wider than :data:`TINY_WIDTH_LIMIT` are detected and built
     exactly as ComfyUI does. Idempotent; nothing shipped may call it.
     """
@@ -191,6 +199,7 @@ def narrow_text_encoder_configs() -> None:
     import comfy.sd
     import comfy.text_encoders.long_clipl as long_clipl
     import comfy.text_encoders.qwen_vl as qwen_vl
+    import comfy.text_encoders.sd3_clip
 
     load = comfy.sd.load_text_encoder_state_dicts
     if getattr(load, "group_offload_original", None) is not None:
@@ -198,6 +207,7 @@ def narrow_text_encoder_configs() -> None:
     detect, signature = comfy.sd.detect_te_model, inspect.signature(load)
     long_clip = long_clipl.model_options_long_clip
     vision_init = qwen_vl.Qwen2VLVisionTransformer.__init__
+    t5_detect = comfy.sd.t5xxl_detect
 
     @functools.wraps(detect)
     def detect_te_model(sd, *args, **kwargs):
@@ -222,6 +232,12 @@ def narrow_text_encoder_configs() -> None:
         with _vision_narrowed(vision):
             return load(*bound.args, **bound.kwargs)
 
+    @functools.wraps(t5_detect)
+    def t5xxl_detect(clip_data):
+        """ComfyUI reads a T5-XXL's dtype (and quantization) only where it finds block 23."""
+        tiny = [sd for sd in clip_data if getattr(_identify(sd), "architecture", None) == "t5"]
+        return t5_detect(clip_data) if not tiny else comfy.text_encoders.sd3_clip.t5_xxl_detect(tiny[0])
+
     @functools.wraps(long_clip)
     def model_options_long_clip(sd, tokenizer_data, model_options):
         tokenizer_data, options = long_clip(sd, tokenizer_data, model_options)
@@ -237,6 +253,7 @@ def narrow_text_encoder_configs() -> None:
 
     load_text_encoder_state_dicts.group_offload_original = load
     comfy.sd.detect_te_model = detect_te_model
+    comfy.sd.t5xxl_detect = t5xxl_detect
     comfy.sd.load_text_encoder_state_dicts = load_text_encoder_state_dicts
     long_clipl.model_options_long_clip = model_options_long_clip
     qwen_vl.Qwen2VLVisionTransformer.__init__ = narrowed_vision_init
@@ -251,8 +268,8 @@ def _model_class(dotted: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def text_encoder_shapes(encoder: Encoder, num_layers: int | None = None,
-                        dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Size]:
+def text_encoder_shapes(encoder: Encoder, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                        widths: dict[str, int] | None = None) -> dict[str, torch.Size]:
     """Key names and shapes of ComfyUI's own text model of ``encoder``, tiny, built on the meta device."""
     narrow_text_encoder_configs()
     import comfy.ops
@@ -262,17 +279,18 @@ def text_encoder_shapes(encoder: Encoder, num_layers: int | None = None,
     if layers < encoder.min_layers:
         raise ValueError(f"num_layers={layers}: ComfyUI needs {encoder.min_layers} layers at least to tell "
                          f"{encoder.te_model} apart")
-    config |= {**encoder.tiny, encoder.layers_key: layers}
+    config |= {**(encoder.tiny if widths is None else widths), encoder.layers_key: layers}
     with _vision_narrowed(encoder.vision):
         model = _model_class(encoder.model_class)(config, dtype, "meta", comfy.ops.disable_weight_init)
     return {key: value.shape for key, value in model.state_dict().items()}
 
 
 def make_text_encoder(path: Path, encoder: str, num_layers: int | None = None, seed: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the tiny ``encoder`` of :data:`ENCODERS` to ``path`` (the key layout of the real files)."""
+                      dtype: torch.dtype = torch.bfloat16, widths: dict[str, int] | None = None) -> Path:
+    """Write the tiny ``encoder`` of :data:`ENCODERS` to ``path`` (the key layout of the real files), of its
+    tiny widths or ``widths``."""
     spec = ENCODERS[encoder]
-    tensors = fill_seeded(text_encoder_shapes(spec, num_layers, dtype), seed, dtype)
+    tensors = fill_seeded(text_encoder_shapes(spec, num_layers, dtype, widths), seed, dtype)
     if spec.spiece_model:
         tensors["spiece_model"] = torch.frombuffer(bytearray((comfyui_path() / SPIECE_MODEL).read_bytes()),
                                                    dtype=torch.uint8)
@@ -288,7 +306,7 @@ def text_encoder_file(encoder: str, *, dtype: torch.dtype = torch.bfloat16, num_
     spec = ENCODERS[encoder]
     num_layers = spec.tiny[spec.layers_key] if num_layers is None else num_layers  # in the cache key
     return cached_fixture(f"tiny_te_{encoder}", make_text_encoder, encoder=encoder, num_layers=num_layers,
-                          seed=seed, dtype=dtype)
+                          seed=seed, dtype=dtype, widths=spec.tiny)
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,3 +370,42 @@ def use_text_encoders_in_process(models_dir: Path) -> dict[str, str]:
     if str(folder) not in folder_paths.get_folder_paths("text_encoders"):
         folder_paths.add_model_folder_path("text_encoders", str(folder), is_default=True)
     return names
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF text encoders, as ComfyUI-GGUF's CLIPLoader (GGUF) reads them
+# --------------------------------------------------------------------------------------------
+
+# llama.cpp's tensor names -> ComfyUI's, the renames ComfyUI-GGUF makes for a llama-family text model (its
+# ``loader.LLAMA_SD_MAP``, applied in this order); written the other way round.
+_LLAMA_CPP_NAMES = {
+    "blk.": "model.layers.", "attn_norm": "input_layernorm", "attn_q_norm.": "self_attn.q_norm.",
+    "attn_k_norm.": "self_attn.k_norm.", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate": "mlp.gate_proj", "ffn_norm": "post_attention_layernorm",
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm",
+}
+
+
+def llama_cpp_name(key: str) -> str:
+    """A Qwen3 text model's ComfyUI key as llama.cpp names it (ComfyUI-GGUF renames it back)."""
+    for gguf_name, comfy_name in reversed(_LLAMA_CPP_NAMES.items()):
+        key = key.replace(comfy_name, gguf_name)
+    return key
+
+
+def make_text_encoder_gguf(path: Path, source: Path, qtype_name: str, seed: int = 0) -> Path:
+    """A tiny Qwen3 file ``source`` (GGUF architecture ``qwen3``: no key permutation, no tokenizer in the file) as a
+    GGUF text encoder, its matrices of type ``qtype_name`` (ComfyUI-GGUF's converter's policy)."""
+    from testbed import gguf_files
+
+    with safe_open(str(source), framework="pt") as tensors:
+        state_dict = {llama_cpp_name(key): tensors.get_tensor(key).float() for key in tensors.keys()}
+    return gguf_files.write_gguf(path, state_dict, getattr(gguf_files.QType, qtype_name), arch="qwen3", seed=seed)
+
+
+def text_encoder_gguf_file(qtype_name: str = "Q8_0", seed: int = 0) -> Path:
+    """The tiny Qwen3-4B (Z-Image's text encoder) as a GGUF file, made once per type beside its safetensors file."""
+    source = text_encoder_file("qwen3_4b", seed=seed)
+    path = source.with_name(f"{source.stem}-{qtype_name}.gguf")
+    return path if path.exists() else make_text_encoder_gguf(path, source, qtype_name, seed)

@@ -17,7 +17,7 @@ from testbed.pack_modules import pack_module
 
 DOCS = REPO_ROOT / "web" / "docs"
 DOCS_URL = f"/extensions/{PACK_DIR_NAME}/docs/"
-NODES = ["GroupOffload", "GroupOffloadLoader", "GroupOffloadReport"]
+NODES = ["GroupOffload", "GroupOffloadCLIPLoader", "GroupOffloadLoader", "GroupOffloadReport", "GroupOffloadTextEncoder"]
 PAGES = [(node, page) for node in NODES for page in (f"{node}.md", f"{node}/zh.md")]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,207 @@
+"""Group Offload (text encoder) and Load CLIP (Group Offload): the conditioning is ComfyUI's own, bit for bit, for
+every text-encoder family the ComfyUI in use has (tiny encoders of ComfyUI's own classes, ``testbed.text_encoders``),
+through clones, CLIPSetLastLayer and a CLIP LoRA on either side of the node; and the offloaded CLIP's handle goes with
+it."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from testbed import text_encoders
+from testbed.comfy_boot import boot_comfyui_in_process
+from testbed.lora_fixture import make_text_encoder_lora
+from testbed.pack_modules import pack_module
+from testbed.run_nodes import node_output, run_node
+
+PROMPTS = ("a photograph of a cat", "a watercolour of a lighthouse at dusk, long shadows over the sea")
+SETTINGS = {
+    "stream_all": dict(blocks_per_group=1, prefetch=1, residency="stream_all", resident_gb=0.0),
+    "synchronous": dict(blocks_per_group=2, prefetch=0, residency="stream_all", resident_gb=0.0),
+    "auto": dict(blocks_per_group=1, prefetch=2, residency="auto", resident_gb=0.0),
+}
+STREAM_ALL = SETTINGS["stream_all"]
+SINGLE_FILE = [name for name, family in text_encoders.TEXT_ENCODER_FAMILIES.items() if len(family.encoders) == 1]
+# A CLIPSetLastLayer that changes what these encode (SDXL takes layer -2 already; the others keep fixed layers).
+SETS_LAST_LAYER = {"flux": -2, "sdxl": -3}
+
+
+@pytest.fixture(scope="module")
+def te_names(comfy_models) -> dict[str, str]:
+    return text_encoders.use_text_encoders_in_process(comfy_models.models_dir)
+
+
+def family_or_skip(name: str) -> text_encoders.TextEncoderFamily:
+    family = text_encoders.TEXT_ENCODER_FAMILIES[name]
+    if not family.available():
+        pytest.skip(f"this ComfyUI has no {family.loader} type {family.type!r} for {family.encoders}")
+    return family
+
+
+def load(name: str, te_names: dict[str, str]):
+    family = family_or_skip(name)
+    return node_output(family.loader, **family.inputs(te_names))
+
+
+def encodings(clip) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Both prompts, then the first again (the handle's second pass over the same layers)."""
+    encoded = []
+    for text in (*PROMPTS, PROMPTS[0]):
+        ((cond, extra),) = node_output("CLIPTextEncode", clip=clip, text=text)
+        encoded.append((cond, extra.get("pooled_output")))
+    return encoded
+
+
+def assert_identical(got: list, expected: list) -> None:
+    for (cond, pooled), (cond_expected, pooled_expected) in zip(got, expected, strict=True):
+        assert torch.equal(cond, cond_expected)
+        assert (pooled is None) == (pooled_expected is None)
+        assert pooled is None or torch.equal(pooled, pooled_expected)
+
+
+def offloaded(clip, settings: dict = STREAM_ALL):
+    return node_output("GroupOffloadTextEncoder", clip=clip, **settings)
+
+
+def handle_of(clip):
+    return pack_module("nodes.model_state").state_of(clip.patcher.model).handle()
+
+
+# Every family streamed whole; one family under each other setting.
+CASES = [(name, "stream_all") for name in sorted(text_encoders.TEXT_ENCODER_FAMILIES)] + [
+    ("qwen_image", setting) for setting in sorted(SETTINGS) if setting != "stream_all"]
+
+
+@pytest.mark.parametrize("name, setting", CASES)
+def test_the_node_encodes_as_comfyui(name, setting, te_names):
+    clip = load(name, te_names)
+    expected = encodings(clip)
+    clip_offloaded = offloaded(clip, SETTINGS[setting])
+    assert_identical(encodings(clip_offloaded), expected)
+    stats = handle_of(clip_offloaded).stats()
+    assert stats["groups"] >= 1 and stats["bytes_d2h"] == 0
+    assert_identical(encodings(clip), expected)  # the input CLIP, unchanged, after the offloaded one ran
+
+
+@pytest.mark.parametrize("name", sorted(SETS_LAST_LAYER))
+def test_clip_set_last_layer_before_and_after_the_node(name, te_names):
+    clip = load(name, te_names)
+    layer = SETS_LAST_LAYER[name]
+    expected = encodings(node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=layer))
+    before = offloaded(node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=layer))
+    after = node_output("CLIPSetLastLayer", clip=offloaded(clip), stop_at_clip_layer=layer)
+    assert_identical(encodings(before), expected)
+    assert_identical(encodings(after), expected)
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "flux"])
+def test_a_clip_lora_before_and_after_the_node(name, te_names, comfy_models):
+    clip = load(name, te_names)
+    lora = f"te_lora_{name}.safetensors"
+    make_text_encoder_lora(clip, comfy_models.models_dir / "loras" / lora)
+    model = node_output("UNETLoader", unet_name=comfy_models.unet_name, weight_dtype="default")
+
+    def with_lora(clip_in):
+        with torch.inference_mode():
+            return run_node("LoraLoader", model=model, clip=clip_in, lora_name=lora, strength_model=0.0,
+                            strength_clip=0.8).outputs[1]
+
+    expected = encodings(with_lora(clip))
+    assert not torch.equal(expected[0][0], encodings(clip)[0][0]), "the LoRA changed nothing"
+    assert_identical(encodings(offloaded(with_lora(clip))), expected)
+    assert_identical(encodings(with_lora(offloaded(clip))), expected)
+
+
+@pytest.mark.parametrize("host", ["packed", "in_place"])
+@pytest.mark.parametrize("name", SINGLE_FILE)
+def test_the_loader_encodes_as_comfyui(name, host, te_names):
+    family = family_or_skip(name)
+    expected = encodings(load(name, te_names))
+    budget = dict(host_memory="budget", host_gb=0.0) if host == "in_place" else {}
+    clip = node_output("GroupOffloadCLIPLoader", clip_name=te_names[family.encoders[0]], type=family.type,
+                       **STREAM_ALL, **budget)
+    stats = handle_of(clip).stats()
+    if host == "in_place":
+        # The layers' matrices are views of the file's read-only mapping, not copies in memory of their own (ComfyUI
+        # reads the norms' vectors at once).
+        tensors = [t for block in clip.patcher.blocks() for t in (*block.parameters(), *block.buffers())]
+
+        def mapped(tensor: torch.Tensor) -> bool:
+            return not tensor.untyped_storage().resizable()  # (frombuffer over the mapping)
+
+        matrices = [t for t in tensors if t.dim() >= 2]
+        assert all(mapped(t) for t in matrices)
+        assert stats["packed_bytes"] == 0 and stats["file_backed_bytes"] >= sum(t.nbytes for t in matrices)
+    else:
+        assert stats["in_place_bytes"] == 0 and stats["packed_bytes"] > 0
+    assert_identical(encodings(clip), expected)
+
+
+def test_the_readout_names_the_encoders_loaded_whole(te_names):
+    clip = offloaded(load("sdxl", te_names))
+    encodings(clip)
+    last = pack_module("nodes.telemetry").last_run(clip.patcher.model)
+    assert last is not None and last["final"] and last["steps"] == 1
+    assert [name for name, _ in last["left_whole"]] == ["clip_l"]
+    assert last["streamed_groups"] == last["groups"] > 0
+
+
+def test_a_text_encoder_the_node_cannot_group_is_refused_naming_its_class(te_names, comfy_models):
+    """An encoder whose embeddings hold most of its weights has no trunk of layers for the finder."""
+    family = family_or_skip("wan")
+    narrow = {**text_encoders.ENCODERS["umt5_xxl"].tiny, "d_ff": 128}
+    source = text_encoders.cached_fixture("tiny_te_umt5_narrow", text_encoders.make_text_encoder, encoder="umt5_xxl",
+                                          widths=narrow)
+    target = comfy_models.models_dir / "text_encoders" / source.name
+    if not target.exists():
+        target.symlink_to(source)
+    clip = node_output(family.loader, clip_name=source.name, type=family.type)
+    with pytest.raises(ValueError, match="Group Offload \\(text encoder\\) does not know where WanTEModel"):
+        offloaded(clip)
+    with pytest.raises(ValueError, match="WanTEModel"):
+        node_output("GroupOffloadCLIPLoader", clip_name=source.name, type=family.type, **STREAM_ALL)
+
+
+def test_the_handle_goes_with_the_last_offloaded_clip(te_names):
+    clip = load("qwen_image", te_names)
+    clip_offloaded = offloaded(clip)
+    encodings(clip_offloaded)
+    state = pack_module("nodes.model_state").state_of(clip.patcher.model)
+    assert state.handle() is not None and state.guards
+    blocks = clip_offloaded.patcher.blocks()
+    clone = node_output("CLIPSetLastLayer", clip=clip_offloaded, stop_at_clip_layer=-1)
+    del clip_offloaded
+    gc.collect()
+    assert state.handle() is not None  # the clone still owns it
+    del clone
+    gc.collect()
+    assert state.handle is None and not state.guards
+    assert all(pack_module("offload_core").handle_of(block) is None for block in blocks)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_gguf_text_encoder_streams_at_its_quantized_size_and_encodes_as_comfyui_gguf(qtype, te_names, comfy_models):
+    """ComfyUI-GGUF's CLIPLoader (GGUF) (a tiny Qwen3-4B, Z-Image's encoder, as llama.cpp names it) into the node."""
+    from testbed import gguf_files
+
+    if reason := gguf_files.comfyui_gguf_missing():
+        pytest.skip(reason)
+    gguf_files.load_comfyui_gguf(boot_comfyui_in_process())
+    family = family_or_skip("z_image")
+    source = text_encoders.text_encoder_gguf_file(qtype)
+    target = comfy_models.models_dir / "text_encoders" / source.name
+    if not target.exists():
+        target.symlink_to(source)
+    clip = node_output("CLIPLoaderGGUF", clip_name=source.name, type=family.type)
+    expected = encodings(clip)
+    clip_offloaded = offloaded(clip)
+    assert_identical(encodings(clip_offloaded), expected)
+    blocks = clip_offloaded.patcher.blocks()
+    quantized = [p for block in blocks for p in block.parameters() if getattr(p, "tensor_type", None) is not None]
+    assert quantized, "the layers are not ComfyUI-GGUF's quantized tensors"
+    stats = handle_of(clip_offloaded).stats()
+    raw = sum(torch.Tensor.nbytes.__get__(p) for block in blocks for p in block.parameters())
+    assert stats["streamed_bytes_per_pass"] <= raw * 1.05  # at the file's size (the mirrors' alignment aside)
+    formats = pack_module("nodes.telemetry").last_run(clip_offloaded.patcher.model)["formats"]
+    assert f"GGUF {qtype}" in [name for name, _ in formats]  # (K-quants: the rows of 64 values are stored in F16)
