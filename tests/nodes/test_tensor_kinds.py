@@ -50,8 +50,7 @@ def _parts(tensor: torch.Tensor) -> tuple:
     if hasattr(type(tensor), "__tensor_flatten__"):
         names, context = tensor.__tensor_flatten__()
         return (*((name, _kind(getattr(tensor, name), False)) for name in names), repr(context))
-    data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
-    return tuple(sorted((name, repr(value)) for name, value in vars(data).items()))
+    return tuple(sorted((name, repr(value)) for name, value in vars(tensor).items() if not name.startswith("_")))
 
 
 @contextlib.contextmanager
