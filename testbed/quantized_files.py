@@ -28,6 +28,9 @@ API:
 - :func:`quantize_state_dict` ``(tensors, fmt, blocks)``: any model's tensors quantized as ``fmt`` says.
 - :func:`quantized_qwen_file` ``(name) -> Path``: the cached file; raises :class:`FormatUnavailable`
   when the running ComfyUI has no quantizer for the format. :func:`source_qwen_file`: the bf16 original.
+- the ``quantized_models`` fixture: every format this ComfyUI samples on the CPU linked into its
+  diffusion_models folder as :func:`unet_name` ``(name)``, and a LoRA of the bf16 original (``node_runs.LORA``);
+  :func:`load_plain`, :func:`offload`, :func:`load_offloaded`, :func:`with_lora` run the nodes on them.
 - :func:`cpu_skip_reason` ``(name, version) -> str | None``: why plain ComfyUI ``version`` cannot load
   and sample the format on the CPU (``None``: it can); :func:`formats_runnable_on_cpu` ``(version)``.
   What was found, with ComfyUI's own errors, is in ``NOT_ON_CPU``.
@@ -56,12 +59,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from testbed.comfy_boot import comfyui_version, prepare_comfy_import
-from testbed.fixture_models import cached_fixture, tiny_qwen_image_file
+from testbed.fixture_models import ModelDir, cached_fixture, tiny_qwen_image_file
+from testbed.lora_fixture import make_lora
 from testbed.node_runs import LORA
 from testbed.run_nodes import node_output
 
@@ -263,6 +268,18 @@ OFFLOAD = {"blocks_per_group": 1, "prefetch": 1, "residency": "stream_all", "res
 
 def unet_name(fmt: str) -> str:
     return f"quantized_{fmt}.safetensors"
+
+
+@pytest.fixture(scope="module")
+def quantized_models(comfy_models: ModelDir) -> ModelDir:
+    """Links every format this ComfyUI samples on the CPU into its diffusion_models folder, and a LoRA."""
+    folder = comfy_models.models_dir / "diffusion_models"
+    for name in formats_runnable_on_cpu():
+        target = folder / unet_name(name)
+        if not target.exists():
+            target.symlink_to(quantized_qwen_file(name))
+    make_lora(source_qwen_file(), comfy_models.models_dir / "loras" / LORA)
+    return comfy_models
 
 
 def load_plain(fmt: str):

@@ -29,8 +29,9 @@ from testbed.live_server import ComfyServer, find_chromium
 from testbed.stream_checker import StreamChecker
 
 
-# Fixtures the test bed defines beside its helpers: models, device (node_runs); gguf_models (gguf_runs).
-pytest_plugins = ["testbed.node_runs", "testbed.gguf_runs"]
+# Fixtures the test bed defines beside its helpers: models, device (node_runs); gguf_models (gguf_runs);
+# quantized_models (quantized_files).
+pytest_plugins = ["testbed.node_runs", "testbed.gguf_runs", "testbed.quantized_files"]
 
 
 class _RepositoryIsNotATestPackage:

@@ -7,13 +7,11 @@ import pytest
 import torch
 
 from testbed.comfy_boot import comfyui_version
-from testbed.fixture_models import tiny_qwen_image_file
 from testbed.run_nodes import run_txt2img
 from testbed.deprecations import pack_deprecations
-from testbed.lora_fixture import make_lora
 from testbed.pack_modules import pack_module
-from testbed.quantized_files import QUANT_FORMATS, cpu_skip_reason, quantized_qwen_file
-from testbed.node_runs import LORA, offload_handle
+from testbed.quantized_files import QUANT_FORMATS, cpu_skip_reason
+from testbed.node_runs import offload_handle
 from testbed.quantized_files import load_offloaded, load_plain, offload, with_lora
 
 
@@ -23,19 +21,6 @@ def _runnable(name: str):
 
 
 FORMATS = [_runnable(name) for name in QUANT_FORMATS]
-
-
-@pytest.fixture(scope="module")
-def files(comfy_models):
-    """Links every runnable format's file into ComfyUI's diffusion_models folder, and a LoRA."""
-    folder = comfy_models.models_dir / "diffusion_models"
-    for name in QUANT_FORMATS:
-        if cpu_skip_reason(name) is None:
-            target = folder / f"quantized_{name}.safetensors"
-            if not target.exists():
-                target.symlink_to(quantized_qwen_file(name))
-    make_lora(tiny_qwen_image_file(num_layers=4), comfy_models.models_dir / "loras" / LORA)
-    return comfy_models
 
 
 def block_weights(model) -> dict[str, torch.Tensor]:
@@ -55,7 +40,7 @@ def packed_block_bytes(model) -> int:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("via", ["node", "loader"])
-def test_latent_is_bit_identical_and_streamed_at_the_quantized_size(files, fmt, via):
+def test_latent_is_bit_identical_and_streamed_at_the_quantized_size(quantized_models, fmt, via):
     plain = load_plain(fmt)
     expected = run_txt2img(plain, seed=7, steps=3).latent
     if via == "loader" and comfyui_version() == "0.3.75" and (quantized(plain) or fmt == "scaled_fp8"):
@@ -82,7 +67,7 @@ def test_latent_is_bit_identical_and_streamed_at_the_quantized_size(files, fmt, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_one_pass_moves_the_quantized_bytes(files, fmt):
+def test_one_pass_moves_the_quantized_bytes(quantized_models, fmt):
     model = offload(load_plain(fmt))
     run_txt2img(model, seed=1, steps=1)
     handle = offload_handle(model)
@@ -101,7 +86,7 @@ LORA_ORDERS = {
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("order", LORA_ORDERS)
-def test_lora_on_quantized_layers_gives_comfyuis_latent(files, fmt, order):
+def test_lora_on_quantized_layers_gives_comfyuis_latent(quantized_models, fmt, order):
     if order == "loader_then_lora" and comfyui_version() == "0.3.75":
         pytest.skip("the loader refuses quantized files on ComfyUI 0.3.75 (checked above); they go through the node")
     expected = run_txt2img(with_lora(load_plain(fmt)), seed=3).latent
@@ -114,7 +99,7 @@ def test_lora_on_quantized_layers_gives_comfyuis_latent(files, fmt, order):
 
 
 @pytest.mark.parametrize("order", ["lora_then_offload", "offload_then_lora"])
-def test_a_lora_on_quantized_layers_makes_comfyui_log_no_deprecation(files, order):
+def test_a_lora_on_quantized_layers_makes_comfyui_log_no_deprecation(quantized_models, order):
     """Issue 26: the pack seeds each patched weight's rounding through ComfyUI's string_to_seed, at its
     new place where ComfyUI has one (newest logs a warning from the old one at every call). Old scaled-fp8
     files run through the node on both versions."""
@@ -126,7 +111,7 @@ def test_a_lora_on_quantized_layers_makes_comfyui_log_no_deprecation(files, orde
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "scaled_fp8"])
-def test_unloading_keeps_the_quantized_parameters(files, fmt):
+def test_unloading_keeps_the_quantized_parameters(quantized_models, fmt):
     if cpu_skip_reason(fmt):
         pytest.skip(cpu_skip_reason(fmt))
     import comfy.model_management as mm
@@ -147,7 +132,7 @@ class ScaledBytes(torch.Tensor):
     """A tensor subclass whose bytes do not say all it is (a scale beside them), without the wrapper protocol."""
 
 
-def test_a_subclass_not_rebuildable_from_its_bytes_is_refused_naming_it(files):
+def test_a_subclass_not_rebuildable_from_its_bytes_is_refused_naming_it(quantized_models):
     plain = load_plain("float8_e4m3fn" if cpu_skip_reason("float8_e4m3fn") is None else "scaled_fp8")
     linear = plain.model.diffusion_model.transformer_blocks[0].img_mlp.net[2]
     linear.bias = torch.nn.Parameter(linear.bias.detach().as_subclass(ScaledBytes), requires_grad=False)
@@ -158,7 +143,7 @@ def test_a_subclass_not_rebuildable_from_its_bytes_is_refused_naming_it(files):
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "nvfp4", "scaled_fp8"])
 @pytest.mark.parametrize("via", ["node", "loader"])
-def test_the_quantized_host_copies_are_pinned_through_comfyui(files, fake_cudart, fmt, via):
+def test_the_quantized_host_copies_are_pinned_through_comfyui(quantized_models, fake_cudart, fmt, via):
     import comfy.model_management as mm
 
     if cpu_skip_reason(fmt):
