@@ -71,3 +71,21 @@ def test_prompt_changes_switch_between_the_offloaded_text_encoder_and_dit(comfy_
         if all(counts[key] == 0 for key in nothing):
             break
     assert {key: counts[key] for key in nothing} == nothing
+
+
+def test_a_text_encoder_the_node_cannot_stream_fails_its_prompt_clearly_and_the_server_goes_on(comfy_server,
+                                                                                                text_encoder_name):
+    """A umt5 whose embedding holds most of its weights (no trunk of layers to stream): the node's error names the
+    class and what to do, and the next prompt runs."""
+    narrow = {**text_encoders.ENCODERS["umt5_xxl"].tiny, "d_ff": 128}
+    source = text_encoders.cached_fixture("tiny_te_umt5_narrow", text_encoders.make_text_encoder, encoder="umt5_xxl",
+                                          widths=narrow)
+    link_or_copy(source, comfy_server.models.models_dir / "text_encoders" / source.name)
+    flow = workflow(comfy_server, source.name, PROMPTS[0], offloaded=True)
+    flow["20"]["inputs"]["type"] = "wan"
+    entry = comfy_server.wait(comfy_server.queue(flow), check=False)
+    assert entry["status"]["status_str"] == "error"
+    (error,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert error["node_type"] == "GroupOffloadTextEncoder"
+    assert "WanTEModel" in error["exception_message"] and "without Group Offload (text encoder)" in error["exception_message"]
+    assert comfy_server.run(workflow(comfy_server, text_encoder_name, PROMPTS[1], offloaded=True))["status"]["completed"]
