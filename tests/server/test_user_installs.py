@@ -102,9 +102,11 @@ def wait_until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> No
 
 def test_manager_installs_the_pack_from_its_git_url(tmp_path: Path, committed_tree: Path, by_hand) -> None:
     manager_python()
-    bare = tmp_path / "git" / f"{REPOSITORY_NAME}.git"
+    # Its URL ends as the repository's does (the Manager finds an unknown pack by that last part); the Manager
+    # takes only URLs with a host.
+    bare = tmp_path / "git" / REPOSITORY_NAME
     subprocess.run(["git", "clone", "-q", "--bare", str(committed_tree), str(bare)], check=True)
-    url = f"file://localhost{bare}"  # the Manager takes only URLs with a host
+    url = f"file://localhost{bare}"
     base = tmp_path / "base"
     custom_nodes = base / "custom_nodes"
 
