@@ -128,13 +128,14 @@ def test_manager_installs_the_pack_from_its_git_url(tmp_path: Path, committed_tr
         assert report_of(entry)["bytes_h2d"] == report["bytes_h2d"] > 0
         manager_task(server, "disable", url)
 
+    assert (custom_nodes / ".disabled" / PACK_DIR_NAME).is_dir() and not (custom_nodes / PACK_DIR_NAME).exists()
     with manager_server(base) as server:
         assert "GroupOffload" not in server.object_info and "KSampler" in server.object_info
         manager_task(server, "uninstall", url)
 
     with manager_server(base) as server:
         assert "GroupOffload" not in server.object_info and "KSampler" in server.object_info
-    assert not list(custom_nodes.rglob(f"{PACK_DIR_NAME}*")), "the uninstall left the pack's folder"
+    assert not (custom_nodes / ".disabled" / PACK_DIR_NAME).exists(), "the uninstall left the pack's folder"
 
 
 # --------------------------------------------------------------------------------------------
