@@ -25,6 +25,7 @@ import pytest
 from PIL import Image
 
 from testbed.comfy_boot import PACK_DIR_NAME, REPO_ROOT, TESTBED_DIR, comfyui_path, comfyui_version
+from testbed.fixture_models import link_or_copy_dir
 from testbed.live_server import OFFLOAD, ComfyServer, pixels, report_of, server_flags, txt2img_workflow, with_report
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
@@ -136,6 +137,33 @@ def test_manager_installs_the_pack_from_its_git_url(tmp_path: Path, committed_tr
     with manager_server(base) as server:
         assert "GroupOffload" not in server.object_info and "KSampler" in server.object_info
     assert not (custom_nodes / ".disabled" / PACK_DIR_NAME).exists(), "the uninstall left the pack's folder"
+
+
+# --------------------------------------------------------------------------------------------
+# Installs the pack cannot use: one message at start-up, and ComfyUI starts
+# --------------------------------------------------------------------------------------------
+
+def started_beside(tmp_path: Path, name: str, folder: Path) -> tuple[dict, str]:
+    """/object_info and the log of ComfyUI started with the pack and ``folder`` as custom_nodes/``name``."""
+    link_or_copy_dir(folder, tmp_path / "custom_nodes" / name)
+    with ComfyServer(tmp_path) as server:
+        return server.object_info, server.log_tail(max_chars=10**7)
+
+
+def test_a_comfyui_older_than_the_pack_supports_gets_one_message(tmp_path: Path) -> None:
+    object_info, log = started_beside(tmp_path, "older_comfyui", TESTBED_DIR / "older_comfyui")
+    assert "GroupOffload" not in object_info and "KSampler" in object_info
+    assert ("Group Offload (no copy-back) needs ComfyUI 0.3.75 or newer; this ComfyUI "
+            f"({comfyui_version()}) lacks comfy.weight_adapter.WeightAdapterBase") in log, log
+    assert "Traceback" not in log, log
+
+
+def test_a_second_copy_of_the_pack_gets_one_message_and_the_first_keeps_its_nodes(tmp_path: Path) -> None:
+    object_info, log = started_beside(tmp_path, "ComfyUI-GroupOffload", REPO_ROOT)
+    assert object_info["GroupOffload"]["python_module"] in {f"custom_nodes.{name}" for name in
+                                                            (PACK_DIR_NAME, "ComfyUI-GroupOffload")}
+    assert log.count("Group Offload (no copy-back) is installed twice") == 1, log
+    assert "Traceback" not in log, log
 
 
 # --------------------------------------------------------------------------------------------
