@@ -46,9 +46,9 @@ def _other_copy(package: str) -> Path | None:
     """The folder of another package (another copy of the pack) that registered a node of ours first."""
     registered = getattr(sys.modules.get("nodes"), "NODE_CLASS_MAPPINGS", {})
     for name in NODE_NAMES:
-        module = getattr(registered.get(name), "__module__", package)
-        if not module.startswith(package + ".") and module in sys.modules:
-            return Path(sys.modules[module].__file__).parents[1]  # <pack>/nodes/offload_nodes.py
+        module = sys.modules.get(getattr(registered.get(name), "__module__", ""))
+        if module is not None and not module.__name__.startswith(package + "."):
+            return Path(module.__file__).parents[1]  # <pack>/nodes/offload_nodes.py
     return None
 
 
