@@ -143,9 +143,6 @@ def test_manager_installs_the_pack_from_its_git_url(tmp_path: Path, committed_tr
 # Installs the pack cannot use: one message at start-up, and ComfyUI starts
 # --------------------------------------------------------------------------------------------
 
-IMPORT_FAILED = "module for custom nodes:"  # ComfyUI's "Cannot import X module for custom nodes: <error>"
-
-
 def started_beside(tmp_path: Path, name: str, folder: Path) -> tuple[dict, str]:
     """/object_info and the log of ComfyUI started with the pack and ``folder`` as custom_nodes/``name``."""
     link_or_copy_dir(folder, tmp_path / "custom_nodes" / name)
@@ -158,7 +155,7 @@ def test_a_comfyui_older_than_the_pack_supports_gets_one_message(tmp_path: Path)
     assert "GroupOffload" not in object_info and "KSampler" in object_info
     assert ("Group Offload (no copy-back) needs ComfyUI 0.3.75 or newer; this ComfyUI "
             f"({comfyui_version()}) lacks comfy.weight_adapter.WeightAdapterBase") in log, log
-    assert IMPORT_FAILED not in log, log
+    assert f"Cannot import {tmp_path / 'custom_nodes'}" not in log, log  # ComfyUI's line for a pack that raised
 
 
 def test_a_second_copy_of_the_pack_gets_one_message_and_the_first_keeps_its_nodes(tmp_path: Path) -> None:
@@ -166,7 +163,7 @@ def test_a_second_copy_of_the_pack_gets_one_message_and_the_first_keeps_its_node
     assert object_info["GroupOffload"]["python_module"] in {f"custom_nodes.{name}" for name in
                                                             (PACK_DIR_NAME, "ComfyUI-GroupOffload")}
     assert log.count("Group Offload (no copy-back) is installed twice") == 1, log
-    assert IMPORT_FAILED not in log, log
+    assert f"Cannot import {tmp_path / 'custom_nodes'}" not in log, log  # ComfyUI's line for a pack that raised
 
 
 # --------------------------------------------------------------------------------------------
