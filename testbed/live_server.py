@@ -84,7 +84,7 @@ class PromptFailed(Exception):
 
 
 @functools.cache
-def _server_flags(main_py: Path) -> frozenset[str]:
+def server_flags(main_py: Path) -> frozenset[str]:
     """The long options this ComfyUI's main.py accepts (from ``main.py --help``)."""
     help_text = subprocess.run([sys.executable, str(main_py), "--help"], capture_output=True, text=True,
                                cwd=main_py.parent, timeout=120, check=True).stdout
@@ -113,6 +113,8 @@ class ComfyServer:
     classic_cache: bool = False
     cpu: bool | None = None
     full_width: bool = False
+    python: str = sys.executable  # another environment's (one with ComfyUI-Manager) runs ComfyUI's main.py
+    link_pack: bool = True  # False: custom_nodes holds the pack only where something else (the Manager) put it
     startup_timeout: float = 120.0
     models: ModelDir = field(init=False)
     object_info: dict = field(init=False, default_factory=dict)
@@ -148,14 +150,15 @@ class ComfyServer:
         self.base_dir = Path(self.base_dir).resolve()
         custom_nodes = self.base_dir / "custom_nodes"
         custom_nodes.mkdir(parents=True, exist_ok=True)
-        for name, target in ((PACK_DIR_NAME, REPO_ROOT), (TESTNODES_DIR_NAME, TESTNODES_DIR)):
+        links = [(PACK_DIR_NAME, REPO_ROOT)] if self.link_pack else []
+        for name, target in (*links, (TESTNODES_DIR_NAME, TESTNODES_DIR)):
             link_or_copy_dir(target, custom_nodes / name)
         self.models = populate_models(self.base_dir, full_width=self.full_width)
 
         main_py = comfyui_path() / "main.py"
-        flags = _server_flags(main_py)
+        flags = server_flags(main_py)
         self.port = _free_port()
-        command = [sys.executable, str(main_py), "--listen", "127.0.0.1", "--port", str(self.port),
+        command = [self.python, str(main_py), "--listen", "127.0.0.1", "--port", str(self.port),
                    "--base-directory", str(self.base_dir)]
         if default_cpu() if self.cpu is None else self.cpu:
             command.append("--cpu")
@@ -209,10 +212,11 @@ class ComfyServer:
         except FileNotFoundError:
             return "(no log)"
 
-    def _request(self, path: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
+    def _request(self, path: str, body: Any = None, timeout: float = 30.0,
+                 content_type: str = "application/json") -> tuple[int, Any]:
+        data = None if body is None else body.encode() if content_type == "text/plain" else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 status, payload = response.status, response.read()
@@ -233,6 +237,10 @@ class ComfyServer:
     def post(self, path: str, body: Any, timeout: float = 30.0) -> tuple[int, Any]:
         """POST JSON to ``path``; returns ``(status, decoded body)`` without raising."""
         return self._request(path, body, timeout=timeout)
+
+    def post_text(self, path: str, text: str, timeout: float = 30.0) -> tuple[int, Any]:
+        """POST plain text to ``path`` (an endpoint that reads the body as text); as :meth:`post`."""
+        return self._request(path, text, timeout=timeout, content_type="text/plain")
 
     def queue(self, workflow: dict) -> str:
         """Queue an API-format prompt; returns its prompt_id or raises :class:`PromptRejected`."""
