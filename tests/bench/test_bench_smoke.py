@@ -160,3 +160,20 @@ def test_the_host_budget_benchmark_runs_every_path():
     cold_loader = rows[3]
     assert float(cold_loader["1st step from disk MB, mincore / read"].split(" / ")[1]) > 0, "the cold step read the file"
 
+
+
+def test_the_text_encoder_memory_benchmark_runs_every_way(tmp_path):
+    """``bench/text_encoder_memory.py``'s measurement with a 2-layer encoder: every way in a fresh process, the
+    conditioning ComfyUI's, and the loader in place holding less anonymous memory than ComfyUI by most of the layers."""
+    import text_encoder_memory
+    from host_budget import versions
+
+    (version,) = versions(None)
+    results = text_encoder_memory.measure(version, tmp_path, text_encoder_memory.SMOKE_LAYERS)
+    plain = results["ComfyUI"]
+    for way in text_encoder_memory.WAYS:
+        assert all(torch.equal(a, b) for a, b in zip(results[way]["conds"], plain["conds"], strict=True)), way
+    widths = text_encoder_memory.WIDTHS  # (the feed-forward matrices, bf16: most of the layers' bytes)
+    layer_bytes = 3 * widths["hidden_size"] * widths["intermediate_size"] * 2 * text_encoder_memory.SMOKE_LAYERS
+    in_place = results["loader, in place"]
+    assert in_place["held_anonymous"] - in_place["device_buffers"] < plain["held_anonymous"] - layer_bytes / 2
