@@ -20,7 +20,8 @@ COMFYUI_USES = {
     "comfy.model_detection": (),
     "comfy.float": (),
 }
-NODE_NAMES = ("GroupOffload", "GroupOffloadLoader", "GroupOffloadReport")
+NODE_NAMES = ("GroupOffload", "GroupOffloadLoader", "GroupOffloadTextEncoder", "GroupOffloadCLIPLoader",
+              "GroupOffloadReport")
 
 
 def _missing_from_comfyui() -> list[str]:

@@ -108,6 +108,8 @@ class GroupOffloadPatcher(ModelPatcher):
                              "ComfyUI-GGUF's Unet Loader (Dynamic VRAM), in the ComfyUI-GGUF versions that have it "
                              "(Unet Loader (GGUF) cannot)")
         clone = super().clone(*args, **kwargs)
+        if clone.model is not self.model and is_text_encoder(self.model):  # (a deep copy: a text encoder loaded again)
+            own_text_encoder_layers(clone.model)
         clone.__class__ = type(self)  # (the loader's patcher behind this class may clone as its own: ComfyUI-GGUF's does)
         clone.offload_settings = self.offload_settings
         own_handle(clone)

@@ -46,10 +46,13 @@ def make_offloaded_clip(clip: comfy.sd.CLIP, settings: OffloadSettings) -> comfy
 
 def _encode_on_the_gpu(patcher) -> None:
     """Under ``--lowvram`` / ``--novram`` ComfyUI encodes on the CPU (``text_encoder_device``) so that the text
-    encoder never takes GPU memory whole; streamed, it takes only its groups', so it encodes on the GPU."""
+    encoder never takes GPU memory whole; streamed, it takes only its groups', so it encodes on the GPU, where the
+    GPU can cast the encoder's dtypes (where it cannot, ComfyUI falls back to the CPU too)."""
     device = mm.get_torch_device()
+    dtypes = getattr(patcher.model, "dtypes", ())
     if torch.device(patcher.load_device).type == "cpu" and torch.device(device).type != "cpu" \
-            and mm.vram_state in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NO_VRAM):
+            and mm.vram_state in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NO_VRAM) \
+            and all(mm.supports_cast(device, dtype) for dtype in dtypes):
         log.info("Group Offload (text encoder): encoding on %s, streaming the layers (ComfyUI's low-VRAM mode would "
                  "encode on the CPU)", device)
         patcher.load_device = device
