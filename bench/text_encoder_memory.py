@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -87,7 +86,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from testbed.run_nodes import node_output
 
     boot_comfyui_in_process()
-    names = text_encoders.use_text_encoders_in_process(Path(spec["models"]))  # (links the small ones too)
+    text_encoders.use_text_encoders_in_process(Path(spec["models"]))  # (the folder; links the small ones too)
     loader, node, options = WAYS[spec["way"]]
     before = anonymous_bytes()
     with PeakAnonymous() as peak:
@@ -104,7 +103,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.save(conds, spec["conds"])
     handle = pack_module("nodes.model_state").state_of(clip.patcher.model).handle
     buffers = 0 if handle is None else handle().device_bytes_needed()  # (on a GPU: device memory)
-    del names
     return {"peak_anonymous": peak.peak - before, "held_anonymous": anonymous_bytes() - before,
             "device_buffers": buffers, "encode_seconds": seconds[-1]}
 

@@ -181,7 +181,9 @@ def is_text_encoder(base_model: nn.Module) -> bool:
 def own_text_encoder_layers(text_encoders: nn.Module) -> str:
     """The text encoder inside a CLIP's model (``CLIP.cond_stage_model``: one encoder, or several side by side as
     for SD3 and Flux) whose layers hold most of the weights, by the generic rule, as the owner of the blocks;
-    its attribute. ``ValueError`` naming the class where no encoder holds them."""
+    its attribute, found once per model. ``ValueError`` naming the class where no encoder holds them."""
+    if text_encoders in _OWNER_PATHS:
+        return _OWNER_PATHS[text_encoders]
     name = type(text_encoders).__name__
     paths = _trunk_lists(text_encoders)
     if not paths:
@@ -195,6 +197,13 @@ def own_text_encoder_layers(text_encoders: nn.Module) -> str:
                          f"nodes without Group Offload (text encoder)")
     _OWNER_PATHS[text_encoders] = owner
     return owner
+
+
+def carry_owner(source: nn.Module, target: nn.Module) -> None:
+    """``target``, a model loaded again in place of the text encoders ``source`` (a deep copy, Dynamic VRAM's plain
+    twin), has its owning encoder found as ``source`` had; a diffusion model's needs nothing."""
+    if target is not source and is_text_encoder(source):
+        own_text_encoder_layers(target)
 
 
 def encoders_left_whole(text_encoders: nn.Module) -> list[tuple[str, int]]:

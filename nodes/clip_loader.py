@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,10 +30,7 @@ from .safetensors_file import SafetensorsFile
 from .settings import OffloadSettings
 from .text_encoder import make_offloaded_clip
 
-log = logging.getLogger(__name__)
-
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_clip).parameters
-_INSTEAD = "use Load CLIP followed by Group Offload (text encoder)"
 
 
 class _DeferredCopies(TorchFunctionMode):

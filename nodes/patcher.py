@@ -48,8 +48,8 @@ import comfy.patcher_extension
 from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, check_offloadable, format_bytes, handle_of
-from .blocks import (block_list_owners, block_list_paths, blocks_owner, find_blocks, is_text_encoder,
-                     own_text_encoder_layers, owner_path, refuse_weight_caches)
+from .blocks import (block_list_owners, block_list_paths, blocks_owner, carry_owner, find_blocks, is_text_encoder,
+                     owner_path, refuse_weight_caches)
 from .handles import (build_handle, built_for, host_limit, mark_run_started, own_handle, remove_handle,
                       stop_watching, warn_if_unpinned)
 from .lora import BlockPatches, encoded_keys, patch_compute_dtype, patch_encoded
@@ -108,8 +108,7 @@ class GroupOffloadPatcher(ModelPatcher):
                              "ComfyUI-GGUF's Unet Loader (Dynamic VRAM), in the ComfyUI-GGUF versions that have it "
                              "(Unet Loader (GGUF) cannot)")
         clone = super().clone(*args, **kwargs)
-        if clone.model is not self.model and is_text_encoder(self.model):  # (a deep copy: a text encoder loaded again)
-            own_text_encoder_layers(clone.model)
+        carry_owner(self.model, clone.model)  # (a deep copy loads the model again)
         clone.__class__ = type(self)  # (the loader's patcher behind this class may clone as its own: ComfyUI-GGUF's does)
         clone.offload_settings = self.offload_settings
         own_handle(clone)
@@ -514,8 +513,7 @@ def make_offloaded(model: ModelPatcher, settings: OffloadSettings) -> GroupOfflo
     check_offloadable(find_blocks(owner))  # fail now, in this node, not in the sampler
     refuse_weight_caches(owner)
     clone = _non_dynamic_clone(model) if getattr(model, "is_dynamic", lambda: False)() else model.clone()
-    if clone.model is not model.model and is_text_encoder(model.model):  # (a Dynamic VRAM text encoder's twin)
-        own_text_encoder_layers(clone.model)
+    carry_owner(model.model, clone.model)  # (a Dynamic VRAM model's plain twin)
     clone.__class__ = _offload_class(type(clone))
     clone.offload_settings = settings
     clone.offload_device = torch.device("cpu")  # ComfyUI's is the GPU under --gpu-only / --highvram

@@ -1,11 +1,12 @@
 """The pack's nodes run in-process on the tiny models: the four-block Qwen-Image and its LoRA (the ``models``
-fixture), loaded plain or offloaded, and the handle that streams them; the ``device`` fixture for CPU/CUDA twins."""
+fixture), loaded plain or offloaded, and the handle that streams them; the tiny text encoders (``te_names``); the
+``device`` fixture for CPU/CUDA twins."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from testbed import fixture_models
+from testbed import fixture_models, text_encoders
 from testbed.lora_fixture import make_lora
 from testbed.pack_modules import pack_module
 from testbed.run_nodes import run_node
@@ -24,6 +25,12 @@ def models(comfy_models):
         target.symlink_to(source)
     make_lora(source, comfy_models.models_dir / "loras" / LORA)
     return comfy_models
+
+
+@pytest.fixture(scope="module")
+def te_names(comfy_models) -> dict[str, str]:
+    """The tiny text encoders (``testbed.text_encoders``) in the models' ``text_encoders`` folder: each file's name."""
+    return text_encoders.use_text_encoders_in_process(comfy_models.models_dir)
 
 
 def load_plain(weight_dtype: str = "default"):

@@ -354,6 +354,19 @@ TEXT_ENCODER_FAMILIES: dict[str, TextEncoderFamily] = {
 }
 
 
+# A CLIPSetLastLayer that changes what these families encode (SDXL takes layer -2 already; the others keep fixed
+# layers).
+CHANGING_LAST_LAYER = {"flux": -2, "sdxl": -3}
+
+
+def encode_text(clip, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CLIPTextEncode of ``text``, as a prompt runs it: the conditioning and its pooled output (or None)."""
+    from testbed.run_nodes import node_output
+
+    ((cond, extra),) = node_output("CLIPTextEncode", clip=clip, text=text)
+    return cond, extra.get("pooled_output")
+
+
 def use_text_encoders_in_process(models_dir: Path) -> dict[str, str]:
     """Link every tiny file of :data:`ENCODERS` into ``models_dir/text_encoders`` and make the in-process ComfyUI's
     loaders find them there; returns each encoder's file name, as the loaders take it."""

@@ -23,13 +23,6 @@ SETTINGS = {
 }
 STREAM_ALL = SETTINGS["stream_all"]
 SINGLE_FILE = [name for name, family in text_encoders.TEXT_ENCODER_FAMILIES.items() if len(family.encoders) == 1]
-# A CLIPSetLastLayer that changes what these encode (SDXL takes layer -2 already; the others keep fixed layers).
-SETS_LAST_LAYER = {"flux": -2, "sdxl": -3}
-
-
-@pytest.fixture(scope="module")
-def te_names(comfy_models) -> dict[str, str]:
-    return text_encoders.use_text_encoders_in_process(comfy_models.models_dir)
 
 
 def family_or_skip(name: str) -> text_encoders.TextEncoderFamily:
@@ -46,11 +39,7 @@ def load(name: str, te_names: dict[str, str]):
 
 def encodings(clip) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Both prompts, then the first again (the handle's second pass over the same layers)."""
-    encoded = []
-    for text in (*PROMPTS, PROMPTS[0]):
-        ((cond, extra),) = node_output("CLIPTextEncode", clip=clip, text=text)
-        encoded.append((cond, extra.get("pooled_output")))
-    return encoded
+    return [text_encoders.encode_text(clip, text) for text in (*PROMPTS, PROMPTS[0])]
 
 
 def assert_identical(got: list, expected: list) -> None:
@@ -84,10 +73,10 @@ def test_the_node_encodes_as_comfyui(name, setting, te_names):
     assert_identical(encodings(clip), expected)  # the input CLIP, unchanged, after the offloaded one ran
 
 
-@pytest.mark.parametrize("name", sorted(SETS_LAST_LAYER))
+@pytest.mark.parametrize("name", sorted(text_encoders.CHANGING_LAST_LAYER))
 def test_clip_set_last_layer_before_and_after_the_node(name, te_names):
     clip = load(name, te_names)
-    layer = SETS_LAST_LAYER[name]
+    layer = text_encoders.CHANGING_LAST_LAYER[name]
     expected = encodings(node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=layer))
     before = offloaded(node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=layer))
     after = node_output("CLIPSetLastLayer", clip=offloaded(clip), stop_at_clip_layer=layer)

@@ -8,19 +8,7 @@ import torch
 from testbed import text_encoders
 from testbed.run_nodes import node_output
 
-# A CLIPSetLastLayer that changes what these encode (SDXL takes layer -2 already; the others keep fixed layers).
-SETS_LAST_LAYER = {"flux": -2, "sdxl": -3}
 PROMPTS = ("a photograph of a cat", "a watercolour of a lighthouse at dusk")
-
-
-@pytest.fixture(scope="module")
-def te_names(comfy_models) -> dict[str, str]:
-    return text_encoders.use_text_encoders_in_process(comfy_models.models_dir)
-
-
-def encode(clip, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ((cond, extra),) = node_output("CLIPTextEncode", clip=clip, text=text)
-    return cond, extra.get("pooled_output")
 
 
 @pytest.mark.parametrize("name", sorted(text_encoders.TEXT_ENCODER_FAMILIES))
@@ -29,7 +17,7 @@ def test_family_loads_and_encodes(name: str, te_names: dict[str, str]):
     if not family.available():
         pytest.skip(f"this ComfyUI has no {family.loader} type {family.type!r} for {family.encoders}")
     clip = node_output(family.loader, **family.inputs(te_names))
-    encoded = [encode(clip, text) for text in PROMPTS]
+    encoded = [text_encoders.encode_text(clip, text) for text in PROMPTS]
     for cond, pooled in encoded:
         assert cond.shape[0] == 1 and cond.shape[-1] == family.width
         assert torch.isfinite(cond).all()
@@ -40,9 +28,9 @@ def test_family_loads_and_encodes(name: str, te_names: dict[str, str]):
     (first, _), (second, _) = encoded
     assert first.shape != second.shape or not torch.equal(first, second), "the prompts encode alike"
 
-    if name in SETS_LAST_LAYER:
-        earlier = node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=SETS_LAST_LAYER[name])
-        cond, _ = encode(earlier, PROMPTS[0])
+    if name in text_encoders.CHANGING_LAST_LAYER:
+        earlier = node_output("CLIPSetLastLayer", clip=clip, stop_at_clip_layer=text_encoders.CHANGING_LAST_LAYER[name])
+        cond, _ = text_encoders.encode_text(earlier, PROMPTS[0])
         assert cond.shape == first.shape and torch.isfinite(cond).all()
         assert not torch.equal(cond, first), "CLIPSetLastLayer changed nothing"
 
