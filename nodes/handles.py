@@ -16,10 +16,10 @@ import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
 from ..offload_core import GroupOffloadHandle, OutsideUseWatch, apply_group_offload, format_bytes, handle_of
-from .blocks import blocks_owner, find_blocks
+from .blocks import blocks_owner, find_blocks, is_text_encoder
 from .compiler import ComfyCudaRuntime
-from .memory import (HostBudget, anonymous_host_bytes, host_budget, module_bytes, pinning_enabled, plan_blocks,
-                     raw_group_bytes, room_on_the_card)
+from .memory import (GIVEN_TO_THE_DIFFUSION_MODEL, HostBudget, anonymous_host_bytes, host_budget, module_bytes,
+                     pinning_enabled, plan_blocks, raw_group_bytes, room_on_the_card)
 from .model_state import ModelState, every_state, state_of
 from .settings import OffloadSettings
 
@@ -103,8 +103,10 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     other_bytes = mm.module_size(model) - module_bytes(blocks)
     plan = plan_blocks(settings, raw_group_bytes(blocks, settings.blocks_per_group),  # so it pins what will stream
                        room_on_the_card(model, device, other_bytes))
+    givable = 0 if is_text_encoder(model) else text_encoders_packing()
     budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
-                         freed_by_packing=anonymous_host_bytes(blocks))
+                         freed_by_packing=anonymous_host_bytes(blocks), givable=givable)
+    take_text_encoders_packing(budget.taken_from_text_encoders)
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
@@ -130,10 +132,37 @@ def _runtime_for(device: torch.device) -> dict:
     return {"runtime": ComfyCudaRuntime(device)} if device.type == "cuda" else {}
 
 
+def _live_handles(text_encoders_only: bool = False) -> list[tuple[nn.Module, GroupOffloadHandle]]:
+    """Each offloaded model alive with its handle (only the text encoders')."""
+    found = [(model, state.handle()) for model, state in every_state() if state.handle is not None
+             and (is_text_encoder(model) or not text_encoders_only)]
+    return [(model, handle) for model, handle in found if handle is not None]
+
+
 def packed_host_bytes() -> int:
     """The packed host copies every offloaded model alive holds (what a shared host budget already spent)."""
-    handles = (state.handle() for _, state in every_state() if state.handle is not None)
-    return sum(handle.stats()["packed_bytes"] for handle in handles if handle is not None)
+    return sum(handle.stats()["packed_bytes"] for _, handle in _live_handles())
+
+
+def text_encoders_packing() -> int:
+    """The packed host copies of the offloaded text encoders that can stream from their files instead
+    (``GroupOffloadHandle.returnable_bytes``): the first a diffusion model's host budget takes."""
+    return sum(handle.returnable_bytes() for _, handle in _live_handles(text_encoders_only=True))
+
+
+def take_text_encoders_packing(nbytes: int) -> None:
+    """At least ``nbytes`` of the text encoders' packed host copies given up (before the diffusion model packs
+    its own): those groups stream from the text encoders' files from then on, and their readouts say so. The
+    diffusion model runs every step, a text encoder once per prompt change."""
+    for model, handle in _live_handles(text_encoders_only=True):
+        if nbytes <= 0:
+            return
+        freed = handle.give_up_packing(nbytes)
+        if freed:
+            nbytes -= freed
+            state_of(model).host_limit = GIVEN_TO_THE_DIFFUSION_MODEL
+            log.info("Group Offload: the text encoder's %s of packed host copies go to the diffusion model's host "
+                     "budget; those layers stream from the text encoder's file", format_bytes(freed))
 
 
 def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, budget: HostBudget) -> None:

@@ -175,25 +175,37 @@ def auto_host_room(freed_by_packing: int) -> HostRoom:
 
 @dataclass(frozen=True)
 class HostBudget:
-    """The packed host copies a model may hold (None: all of it fits), and what set it."""
+    """The packed host copies a model may hold (None: all of it fits), what set it, and how many bytes of it the
+    text encoders' packed copies give up first (``handles.take_text_encoders_packing``)."""
 
     bytes: int | None
     bound_by: str
+    taken_from_text_encoders: int = 0
 
 
-def host_budget(settings: OffloadSettings, block_bytes: int, *, packed_elsewhere: int,
-                freed_by_packing: int) -> HostBudget:
+#: The limit the readout names for a text encoder whose packed copies went to the diffusion model's host budget.
+GIVEN_TO_THE_DIFFUSION_MODEL = "the diffusion model (given up for its host budget)"
+
+
+def host_budget(settings: OffloadSettings, block_bytes: int, *, packed_elsewhere: int, freed_by_packing: int,
+                givable: int = 0) -> HostBudget:
     """The packed host copies a model about to be built may hold, in bytes (``apply_group_offload``'s
     ``host_budget``); None when all ``block_bytes`` fit, which packs every group as before host budgets.
 
     ``auto``: ``auto_host_room(freed_by_packing)``. ``budget``: ``host_gb``, one budget for every offloaded
-    model, less what the others already hold packed (``packed_elsewhere``).
+    model, less what the others already hold packed (``packed_elsewhere``). ``givable``: the packed bytes of
+    others that are the first given up for this model (a diffusion model's build: the text encoders' packed
+    copies that can stream from their files instead, ``GroupOffloadHandle.returnable_bytes``); they count as
+    room, and ``taken_from_text_encoders`` says how much of them the budget needs.
     """
     if settings.host_memory == "budget":
-        room = HostRoom(max(0, settings.host_bytes() - packed_elsewhere), "host_gb")
+        room = HostRoom(max(0, settings.host_bytes() - packed_elsewhere + givable), "host_gb")
+        without = max(0, settings.host_bytes() - packed_elsewhere)
     else:
-        room = auto_host_room(freed_by_packing)
-    return HostBudget(None if block_bytes <= room.bytes else room.bytes, room.bound_by)
+        room = auto_host_room(freed_by_packing + givable)
+        without = auto_host_room(freed_by_packing).bytes if givable else room.bytes
+    taken = max(0, min(block_bytes, room.bytes) - without)
+    return HostBudget(None if block_bytes <= room.bytes else room.bytes, room.bound_by, taken)
 
 
 def page_cache_room(handle: GroupOffloadHandle, base_model: nn.Module) -> HostRoom:

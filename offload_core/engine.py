@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Iterator, Sequence
@@ -25,7 +26,7 @@ from torch import nn
 from .grouping import OffloadConfig, build_groups, check_host_budget, check_resident_bytes
 from .group import FillFn, ModuleGroup
 from .hooks import GroupHooks
-from .hostmem import bytes_kept_cached
+from .hostmem import FileMappings, SourceChangedError, bytes_kept_cached
 from .ledger import TransferLedger
 from .mirror import Pinner
 from .onload_patch import OnloadPatch, PatchFn
@@ -35,6 +36,8 @@ from .runtime import CudaRuntime, Runtime
 from .schedule import Schedule
 from .transfers import Transfers
 
+
+log = logging.getLogger(__name__)
 
 # block -> its handle, weak both ways: the wrapped methods are what keep a handle alive, so a handle
 # lives exactly as long as its blocks can be reached (or until ``remove()``), and never longer.
@@ -63,8 +66,8 @@ class GroupOffloadHandle:
             runtime = CudaRuntime(config.onload_device)
         self._runtime = runtime  # None: the device is the host
         pinner = choose_pinner(config.pin_memory, pinner, config.onload_device, runtime)
-        groups, self._sources = build_groups(model, blocks, config.blocks_per_group, resident_bytes, host_budget,
-                                             fill, progress)
+        groups, self._sources, self._returnable = build_groups(model, blocks, config.blocks_per_group,
+                                                               resident_bytes, host_budget, fill, progress)
         self.groups = groups
         self._patch = OnloadPatch()
         self._transfers = Transfers(groups, config.onload_device, runtime, pinner, self._patch)
@@ -201,6 +204,38 @@ class GroupOffloadHandle:
         for group, cached_bytes in zip(in_place, kept):
             group.mirror.cached_bytes = cached_bytes
         return sum(kept)
+
+    def returnable_bytes(self) -> int:
+        """The packed host bytes ``give_up_packing`` could free: those of the packed groups with tensors that were
+        views of read-only file mappings when the handle was built (a whole group's: the others it holds are small
+        beside them, a layer's norms)."""
+        return sum(g.nbytes for g in self.groups if g.returnable)
+
+    def give_up_packing(self, at_least: int) -> int:
+        """Free at least ``at_least`` bytes of packed host memory, where the groups can give it up
+        (``returnable_bytes``): their tensors become the file views they were built from, kept in place and
+        gathered from the files at each onload from then on, as if the host budget had never packed them. The
+        resident groups go first (their host copy is read once per load), then the streamed ones, last first.
+        Every group leaves the device first. Nothing is given up where a file changed on disk since the build
+        (its views no longer hold what was packed). Returns the bytes freed."""
+        returnable = sorted((g for g in self.groups if g.returnable), key=lambda g: (not g.resident, -g.index))
+        if at_least <= 0 or not returnable:
+            return 0
+        try:
+            self._returnable.check()
+        except SourceChangedError as error:
+            log.info("Group Offload: the packed groups keep their host memory: %s", error)
+            return 0
+        self.release_device_memory()
+        mappings, freed = FileMappings(), 0
+        for group in returnable:
+            if freed >= at_least:
+                break
+            freed += group.return_to_files(mappings, self._sources)
+        self._sources.seal()
+        self._transfers.groups_changed()
+        self.pin_streamed()
+        return freed
 
     def set_resident_bytes(self, resident_bytes: int) -> None:
         """Re-plan which groups stay on the device, with the configured prefetch; takes effect from the

@@ -114,6 +114,26 @@ class _WrapperBinding(_Binding):
     def forget_device_layouts(self) -> None:
         self._held = {key: t for key, t in self._held.items() if key == HOST}
 
+    def forget_host_layout(self) -> None:
+        """The host copy is another from now on: the next ``show(HOST, ...)`` rebuilds over its views."""
+        self._held.clear()
+        if self.param is not None and self._shown == HOST:
+            self._shown = None  # (the layout it shows now goes at the next exchange)
+
+
+def _file_views(inner: list[torch.Tensor], mappings: FileMappings,
+                sources: SourceFiles) -> list[torch.Tensor | None] | None:
+    """Aliases of those of ``inner`` that lie in read-only file mappings (each file then needed in ``sources``),
+    None for the others; None where none does."""
+    found = [mappings.find(t) for t in inner]
+    found = [None if mapping is None or mapping.writable else mapping for mapping in found]  # (a written page
+    if all(mapping is None for mapping in found):  # is not the file's)
+        return None
+    for mapping, tensor in zip(found, inner):
+        if mapping is not None:
+            sources.add(mapping, tensor)
+    return [None if mapping is None else t.detach() for mapping, t in zip(found, inner)]
+
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source)
@@ -185,16 +205,23 @@ def _collect(blocks: list[nn.Module], qualnames: dict[int, str]) -> list[tuple[s
     return sorted(found, key=lambda entry: (not entry[2], is_wrapper(entry[1])))
 
 
-#: Where a group beyond the host budget finds its tensors: the file mappings, and the files they map.
+#: Where a group's tensors lie: the file mappings, and the files they map (kept in place beyond the host budget
+#: or, packed, the files the group can be given back to).
 InPlace = tuple[FileMappings, SourceFiles]
 
 
 class ModuleGroup:
     """Consecutive blocks whose tensors travel together in one packed copy (on the device; on the host,
-    a packed mirror, or the tensors where they are when ``in_place`` is given)."""
+    a packed mirror, or the tensors where they are when not ``packed``).
+
+    ``files``: where the tensors may lie in mapped files. A group kept in place reads them there; a packed group
+    whose tensors all lie in mapped files keeps aliases of them (``returnable``), so that its packed mirror can
+    be given up later (``return_to_files``), its files' identity sealed in ``files``' ``SourceFiles``.
+    """
 
     def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None,
-                 in_place: InPlace | None = None) -> None:
+                 files: InPlace | None = None, packed: bool = True, returnable_files: SourceFiles | None = None,
+                 ) -> None:
         self.index = index
         self.blocks = blocks
         found = _collect(blocks, qualnames)
@@ -215,11 +242,15 @@ class ModuleGroup:
             binding.last = binding.first + len(tensors)
             self.bindings.append(binding)
         del found, flattened
+        # A packed group's tensors in their files, None for those outside them (``returnable``).
+        self._file_views: list[torch.Tensor | None] | None = None
         with torch.inference_mode(self.inference):
-            if in_place is None:
+            if packed:
+                if fill is None and files is not None and returnable_files is not None:
+                    self._file_views = _file_views(inner, files[0], returnable_files)
                 self._pack(inner, fill)
             else:
-                self._keep_in_place(inner, *in_place)
+                self._keep_in_place(inner, *files)
         plain = [b for b in self.bindings if type(b) is _Binding]
         self._params = [b.param for b in plain if b.param is not None]
         self._buffer_slots = [(slots, name, b.first) for b in plain for slots, name in b.buffer_slots]
@@ -253,6 +284,25 @@ class ModuleGroup:
         self.mirror = InPlaceMirror(segments, nbytes, [t.detach() for t in inner], mappings, sources)
         for binding in self.bindings:
             binding.show(HOST, self.mirror.views)
+
+    @property
+    def returnable(self) -> bool:
+        """Whether the packed mirror can be given up for the files its tensors were views of (``return_to_files``)."""
+        return self._file_views is not None
+
+    def return_to_files(self, mappings: FileMappings, sources: SourceFiles) -> int:
+        """Give the packed mirror (and its pin) up: the tensors are their file views again (those that were in no
+        file, a norm's vector say, copied out of the mirror), kept in place from now on; returns the bytes of
+        them in files. The group must be off the device (``offload_``)."""
+        self.mirror.unpin()
+        with torch.inference_mode(self.inference):
+            views = [view if view is not None else packed.clone()
+                     for view, packed in zip(self._file_views, self.mirror.views)]
+            self._file_views = None
+            for binding in self._wrappers:
+                binding.forget_host_layout()
+            self._keep_in_place(views, mappings, sources)
+        return self.mirror.file_backed_bytes
 
     @property
     def nbytes(self) -> int:

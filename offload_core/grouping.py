@@ -54,22 +54,24 @@ def check_host_budget(host_budget: int | None, fill: FillFn | None) -> None:
 
 def build_groups(model: nn.Module, blocks: list[nn.Module], blocks_per_group: int, resident_bytes: int,
                  host_budget: int | None, fill: FillFn | None, progress: Callable[[int, int], None] | None,
-                 ) -> tuple[list[ModuleGroup], SourceFiles]:
+                 ) -> tuple[list[ModuleGroup], SourceFiles, SourceFiles]:
     """``blocks`` in groups of ``blocks_per_group``, each with its host copy (``apply_group_offload`` says
-    which), and the mapped files that the groups kept in place read from."""
+    which); the mapped files that the groups kept in place read from; and those the packed groups can be given
+    back to (``ModuleGroup.returnable``: sealed, without a lease, since nothing reads them)."""
     qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
     chunks = split_into_groups(blocks, blocks_per_group)
     check_unshared(model, chunks, qualnames)
     groups: list[ModuleGroup] = []
-    sources = SourceFiles()
+    sources, returnable = SourceFiles(), SourceFiles()
     packed_chunks = _packed_chunks(chunks, resident_bytes, host_budget)
-    in_place = None if all(packed_chunks) else (FileMappings(), sources)  # (/proc/self/maps read once)
+    files = None if fill is not None else (FileMappings(), sources)  # (/proc/self/maps read once)
     for chunk, packed in zip(chunks, packed_chunks):
-        groups.append(ModuleGroup(len(groups), chunk, qualnames, fill, None if packed else in_place))
+        groups.append(ModuleGroup(len(groups), chunk, qualnames, fill, files, packed, returnable))
         if progress is not None:
             progress(len(groups), len(chunks))
     sources.seal()
-    return groups, sources
+    returnable.seal(lease=False)
+    return groups, sources, returnable
 
 
 def _packed_chunks(chunks: list[list[nn.Module]], resident_bytes: int, host_budget: int | None) -> list[bool]:

@@ -139,11 +139,11 @@ class SourceFiles:
         source.needed = max(source.needed, offset + _extent(tensor))
         return None if source._fd is None else FilePages(source, offset, not mapping.writable)
 
-    def seal(self) -> None:
-        """Take each file's size, times and inode as they are now (what ``check`` compares with), and a read
-        lease on it where the kernel grants one."""
+    def seal(self, lease: bool = True) -> None:
+        """Take each file's size, times and inode as they are now (what ``check`` compares with), and (``lease``)
+        a read lease on it where the kernel grants one."""
         for source in self._files.values():
-            source.seal()
+            source.seal(lease)
 
     def check(self) -> None:
         """``SourceChangedError`` if a file shrank below its mapped bytes, changed on disk since ``seal``, or a
@@ -207,11 +207,11 @@ class _SourceFile:
     def descriptor(self) -> int | None:
         return self._fd
 
-    def seal(self) -> None:
+    def seal(self, lease: bool = True) -> None:
         if self._fd is None or self._sealed is not None:
             return
         self._sealed = self._identity()
-        self.leased = _take_read_lease(self._fd)
+        self.leased = lease and _take_read_lease(self._fd)
         if self.leased:
             _LeaseWatch.watch(self)
 

@@ -76,9 +76,13 @@ class Transfers:
         self._inference = any(g.inference for g in groups)  # the kind of device buffers to make
         self.slabs = SlabPool(device, runtime, self.copy_stream, self._inference)
         self.pins = HostPins(groups, pinner, runtime, None if runtime is None else _drain_without_holding(self))
-        self._in_place = any(not g.mirror.packed for g in groups)  # groups whose disk reads may go ahead
+        self.groups_changed()  # ``_in_place``: groups whose disk reads may go ahead
         self.lookahead = 1  # groups read ahead of the one gathered, until measured (``_settle_lookahead``)
         self._runs_timed: dict[int, object] = {}  # group index -> the timing event its run began at
+
+    def groups_changed(self) -> None:
+        """A group's host copy changed kind (``GroupOffloadHandle.give_up_packing``)."""
+        self._in_place = any(not g.mirror.packed for g in self._groups)
 
     # --- onload --------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from offload_core import apply_group_offload, map_file
+from offload_core import apply_group_offload, flatten, map_file
 
 
 class Block(nn.Module):
@@ -63,24 +63,31 @@ ALIGN = 64
 
 def map_blocks(model: nn.Module, path: Path) -> torch.Tensor:
     """Write the blocks' tensors into ``path`` back to back and point the blocks at views of its mapping,
-    as the loader does with a .safetensors file; returns the mapping."""
+    as the loader does with a .safetensors file (a quantized weight rebuilt over views of its parts); returns
+    the mapping."""
     slots = [(module, table, name) for module in model.blocks.modules()
              for table in (module._parameters, module._buffers) for name, t in table.items() if t is not None]
+    parts = [flatten(table[name]) for _, table, name in slots]
     offsets, cursor, chunks = [], 0, []
-    for module, table, name in slots:
-        data = table[name].detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    for inner in (t for _, tensors in parts for t in tensors):
+        data = inner.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
         offsets.append(cursor)
         chunks.append(data + bytes(-len(data) % ALIGN))
         cursor += len(chunks[-1])
     path.write_bytes(b"".join(chunks))
     mapping = map_file(path)
-    for (module, table, name), offset in zip(slots, offsets):
+    offsets = iter(offsets)
+    for (module, table, name), (recipe, tensors) in zip(slots, parts):
+        views = [mapping[o : o + t.nbytes].view(t.dtype).view(t.shape) for t, o in zip(tensors, offsets)]
         tensor = table[name]
-        view = mapping[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        if isinstance(tensor, nn.Parameter):
-            tensor.data = view
+        if recipe is None and isinstance(tensor, nn.Parameter):
+            tensor.data = views[0]
+        elif recipe is None:
+            table[name] = views[0]
         else:
-            table[name] = view
+            with torch.inference_mode(tensor.is_inference()):
+                rebuilt = recipe.rebuild(views)
+                table[name] = nn.Parameter(rebuilt, requires_grad=False) if isinstance(tensor, nn.Parameter) else rebuilt
     return mapping
 
 

@@ -15,10 +15,11 @@ from torch import nn
 from offload_core import SourceChangedError, apply_group_offload, hostmem
 from offload_core.hostmem import uncached_bytes
 from offload_core.residency import plan_packing
+from offload_core.subclass import first_inner
 from testbed.stream_checker import RaceError
 from testbed.core_models import make_pair
 from testbed.core_faults import check_doubling_patch
-from testbed.core_models import host_bytes, map_blocks, mapped_pair
+from testbed.core_models import ScaledInt8, host_bytes, map_blocks, mapped_pair, quantized_pair
 
 
 def test_packing_plan_spreads_the_budget_over_the_streamed_groups_first():
@@ -322,4 +323,62 @@ def test_past_the_page_cache_room_the_first_bytes_stay_cached_and_the_others_are
     released = 5 * size // 2 - size // 16 if around else 5 * size // 4
     assert sum(uncached[3:]) >= released, f"the others' pages are released: {uncached}"
     assert 0.9 * 2.5 * size <= read <= 1.1 * 2.5 * size, f"a step reads the released pages again, and only those: {read}"
+    handle.remove()
+
+
+def _mapped_quantized_pair(tmp_path: Path):
+    reference, offloaded, x = quantized_pair(ScaledInt8.quantize)
+    map_blocks(offloaded, tmp_path / "blocks.bin")
+    return reference, offloaded, x
+
+
+@pytest.mark.parametrize("make", [mapped_pair, _mapped_quantized_pair], ids=["plain", "quantized"])
+@pytest.mark.parametrize("resident_share", [0.0, 0.5])
+def test_packed_groups_give_their_host_memory_back_to_the_file(tmp_path, checker, make, resident_share):
+    """A handle packed from a mapped file gives packed groups up on request: their tensors are the file's views
+    again, gathered at each onload through the staging ring, and the model computes as before."""
+    reference, offloaded, x = make(tmp_path)
+    mapped = {first_inner(t).data_ptr() for t in offloaded.blocks.state_dict().values()}
+    total = host_bytes(offloaded)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker,
+                                 resident_bytes=int(resident_share * total))
+    assert handle.returnable_bytes() == handle.stats()["packed_bytes"] == total
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(offloaded(x), expected)
+        freed = handle.give_up_packing(total // 2)
+        stats = handle.stats()
+        assert total // 2 <= freed < total and stats["packed_bytes"] == total - freed == handle.returnable_bytes()
+        assert stats["in_place_bytes"] == stats["file_backed_bytes"] == freed and stats["staging_bytes"] > 0
+        given_up = [g for g in handle.groups if not g.mirror.packed]
+        assert not any(g.mirror.pinned for g in given_up)
+        if resident_share:
+            assert any(g.resident for g in given_up), "the resident groups' host copies go first"
+        in_the_file = {first_inner(b.current()).data_ptr() for g in given_up for b in g.bindings}
+        assert in_the_file <= mapped, "the given-up groups' tensors are the file's own pages"
+        handle.reset_stats()
+        assert torch.equal(offloaded(x), expected)
+        assert torch.equal(offloaded(x), expected)
+    assert handle.stats()["gathered_bytes"] >= sum(g.nbytes for g in given_up if not g.resident)
+    assert handle.give_up_packing(total) == total - freed and handle.returnable_bytes() == 0
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), expected)
+    handle.remove()
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), expected), "removed: the blocks compute from the mapped file"
+
+
+def test_packing_is_kept_where_there_is_no_file_or_the_file_changed(tmp_path):
+    reference, offloaded, x = make_pair("cpu")  # the tensors in memory of their own: nothing to give back to
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    assert handle.returnable_bytes() == 0 and handle.give_up_packing(1) == 0
+    handle.remove()
+    reference, offloaded, x = mapped_pair(tmp_path)
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    handle.check_sources()  # packed: the file is not read, and is not leased
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(bytes(path.stat().st_size))  # another model's bytes under the views
+    assert handle.give_up_packing(1) == 0 and handle.stats()["in_place_bytes"] == 0
+    with torch.inference_mode():
+        assert torch.equal(offloaded(x), reference(x)), "the packed copies still hold the weights loaded"
     handle.remove()

@@ -15,8 +15,8 @@ import torch
 from testbed import fixture_models
 from testbed.live_server import ComfyServer, PromptRejected, txt2img_workflow
 from testbed.pack_modules import pack_module
-from testbed.run_nodes import run_txt2img
-from testbed.node_runs import OFFLOAD_DEFAULTS, load_offloaded, load_plain, offload, offload_handle
+from testbed.run_nodes import node_output, run_txt2img
+from testbed.node_runs import OFFLOAD_DEFAULTS, load_offloaded, load_plain, offload, offload_handle, te_names  # noqa: F401
 
 GiB = 1024**3
 HOST_INPUTS = {"host_memory": "auto", "host_gb": 0.0}
@@ -142,6 +142,24 @@ def test_auto_budget_is_the_ram_available_less_a_headroom_within_the_pinned_limi
                                 freed_by_packing=int(freed * GiB))
     assert budget.bytes == (None if expected is None else pytest.approx(int(expected * GiB), abs=1))
     assert budget.bound_by == ("ComfyUI's pinned-memory limit" if max_pinned == 30 else "RAM available")
+
+
+@pytest.mark.parametrize("host_memory, blocks, expected, taken", [
+    ("auto", 50, 40 - 9.6 + 10, 10),  # the text encoders' packed copies count as room, all of them taken...
+    ("auto", 35, None, 35 - 30.4),  # ...or what the blocks need past the room without them
+    ("auto", 20, None, 0),  # the room alone holds the blocks: the text encoders keep theirs
+    ("budget", 12, 10 - 12 + 10, 8),  # host_gb 10, 12 packed elsewhere (the text encoders' 10 among them)
+    ("budget", 5, None, 5),
+])
+def test_the_text_encoders_packed_copies_are_the_first_room_a_diffusion_model_takes(machine, host_memory, blocks,
+                                                                                    expected, taken):
+    memory, settings = pack_module("nodes.memory"), pack_module("nodes.settings")
+    machine(64, 40)
+    chosen = settings.OffloadSettings(host_memory=host_memory, host_gb=10.0)
+    budget = memory.host_budget(chosen, int(blocks * GiB), packed_elsewhere=12 * GiB, freed_by_packing=0,
+                                givable=10 * GiB)
+    assert budget.bytes == (None if expected is None else pytest.approx(int(expected * GiB), abs=1))
+    assert budget.taken_from_text_encoders == pytest.approx(int(taken * GiB), abs=1)
 
 
 @pytest.mark.parametrize("limit, usage, cache, expected, bound_by", [
@@ -310,3 +328,66 @@ def test_a_model_file_changed_on_disk_is_a_node_error_and_the_server_runs_on(com
     error = next(m[1] for m in run(96, check=False)["status"]["messages"] if m[0] == "execution_error")
     assert error["exception_message"].startswith(f"{name} was written to since the offloaded model mapped it")
     assert comfy_server.output_images(run(97, prefetch=0))  # a changed loader input: loaded again
+
+
+def test_a_diffusion_model_takes_the_text_encoders_packed_copies_first_and_both_compute_as_before(models, te_names):
+    """Load CLIP (Group Offload) packs the text encoder's layers; a diffusion model built afterwards under one shared
+    budget that leaves it nothing else takes the text encoder's packed copies: those layers stream from the text
+    encoder's file from then on, the readout says why, and the conditioning and the latent stay ComfyUI's."""
+    text_encoders = pytest.importorskip("testbed.text_encoders")
+    family = text_encoders.TEXT_ENCODER_FAMILIES["qwen_image"]
+    state_of = pack_module("nodes.model_state").state_of
+    expected_cond = text_encoders.encode_text(node_output(family.loader, **family.inputs(te_names)), "a red fox")
+    expected_latent = run_txt2img(load_plain(), seed=24).latent
+    probe = offload(load_plain(), host_memory="budget", host_gb=0)  # only to measure the blocks
+    run_txt2img(probe, seed=24)
+    block_bytes = offload_handle(probe).stats()["host_bytes"]
+    del probe
+    gc.collect()
+
+    elsewhere = pack_module("nodes.handles").packed_host_bytes()
+    clip = node_output("GroupOffloadCLIPLoader", clip_name=te_names[family.encoders[0]], type=family.type,
+                       **OFFLOAD_DEFAULTS, host_memory="budget", host_gb=4096.0)
+    text_encoder = state_of(clip.patcher.model).handle()
+    te_packed = text_encoder.stats()["packed_bytes"]
+    assert te_packed > 0 and text_encoder.returnable_bytes() == te_packed
+    host_gb = (elsewhere + te_packed) / GiB  # all of it spent already: the text encoder's copies are the only room
+    model = offload(load_plain(), host_memory="budget", host_gb=host_gb)
+    assert torch.equal(run_txt2img(model, seed=24).latent, expected_latent)
+
+    dit_packed = offload_handle(model).stats()["packed_bytes"]
+    te_stats = text_encoder.stats()
+    assert 0 < dit_packed <= min(block_bytes, te_packed)
+    assert te_stats["packed_bytes"] + dit_packed <= te_packed, "the shared budget holds"
+    assert te_stats["in_place_bytes"] > 0  # the file's pages, but the layers' norms (ComfyUI read them at the load)
+    assert te_stats["file_backed_bytes"] > 0.99 * te_stats["in_place_bytes"]
+    text_encoder.reset_stats()
+    cond, _ = text_encoders.encode_text(clip, "a red fox")
+    assert torch.equal(cond, expected_cond[0])
+    assert text_encoder.stats()["gathered_bytes"] > 0, "the layers given up stream from the file"
+    last = pack_module("nodes.telemetry").last_run(clip.patcher.model)
+    assert last["host_limit"] == pack_module("nodes.memory").GIVEN_TO_THE_DIFFUSION_MODEL
+    assert last["in_place_bytes"] == te_stats["in_place_bytes"]
+
+
+def test_a_text_encoder_built_after_the_diffusion_model_takes_only_what_is_left(models, te_names):
+    """The diffusion model first: a text encoder built later under the same budget packs what the diffusion model
+    left, and takes nothing from it."""
+    text_encoders = pytest.importorskip("testbed.text_encoders")
+    family = text_encoders.TEXT_ENCODER_FAMILIES["qwen_image"]
+    gc.collect()
+    elsewhere = pack_module("nodes.handles").packed_host_bytes()
+    probe = offload(load_plain(), host_memory="budget", host_gb=0)  # only to measure the blocks
+    run_txt2img(probe, seed=24)
+    block_bytes = offload_handle(probe).stats()["host_bytes"]
+    del probe
+    gc.collect()
+    host_gb = (elsewhere + block_bytes) / GiB
+    model = offload(load_plain(), host_memory="budget", host_gb=host_gb)
+    run_txt2img(model, seed=25)
+    clip = node_output("GroupOffloadCLIPLoader", clip_name=te_names[family.encoders[0]], type=family.type,
+                       **OFFLOAD_DEFAULTS, host_memory="budget", host_gb=host_gb)
+    text_encoders.encode_text(clip, "a red fox")
+    assert offload_handle(model).stats()["packed_bytes"] == block_bytes
+    te_stats = pack_module("nodes.model_state").state_of(clip.patcher.model).handle().stats()
+    assert te_stats["packed_bytes"] == 0 and te_stats["in_place_bytes"] > 0
