@@ -106,7 +106,7 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     givable = 0 if is_text_encoder(model) else text_encoders_packing()
     budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
                          freed_by_packing=anonymous_host_bytes(blocks), givable=givable)
-    take_text_encoders_packing(budget.taken_from_text_encoders)
+    taken = take_text_encoders_packing(budget.taken_from_text_encoders)
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
@@ -122,7 +122,8 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     )
     _guard(model, handle)
     state = state_of(model)
-    state.built_with, state.host_limit = settings.handle_layout(), budget.bound_by
+    state.built_with = settings.handle_layout()
+    state.host_limit = budget.bound_by + (f", {format_bytes(taken)} of it the text encoder's" if taken else "")
     _log_host_copies(handle, settings, budget)
     return handle
 
@@ -150,19 +151,21 @@ def text_encoders_packing() -> int:
     return sum(handle.returnable_bytes() for _, handle in _live_handles(text_encoders_only=True))
 
 
-def take_text_encoders_packing(nbytes: int) -> None:
+def take_text_encoders_packing(nbytes: int) -> int:
     """At least ``nbytes`` of the text encoders' packed host copies given up (before the diffusion model packs
     its own): those groups stream from the text encoders' files from then on, and their readouts say so. The
-    diffusion model runs every step, a text encoder once per prompt change."""
+    diffusion model runs every step, a text encoder once per prompt change. Returns the bytes given up."""
+    taken = 0
     for model, handle in _live_handles(text_encoders_only=True):
-        if nbytes <= 0:
-            return
-        freed = handle.give_up_packing(nbytes)
+        if taken >= nbytes:
+            break
+        freed = handle.give_up_packing(nbytes - taken)
         if freed:
-            nbytes -= freed
+            taken += freed
             state_of(model).host_limit = GIVEN_TO_THE_DIFFUSION_MODEL
             log.info("Group Offload: the text encoder's %s of packed host copies go to the diffusion model's host "
                      "budget; those layers stream from the text encoder's file", format_bytes(freed))
+    return taken
 
 
 def _log_host_copies(handle: GroupOffloadHandle, settings: OffloadSettings, budget: HostBudget) -> None:

@@ -367,6 +367,8 @@ def test_a_diffusion_model_takes_the_text_encoders_packed_copies_first_and_both_
     assert text_encoder.stats()["gathered_bytes"] > 0, "the layers given up stream from the file"
     last = pack_module("nodes.telemetry").last_run(clip.patcher.model)
     assert last["host_limit"] == pack_module("nodes.memory").GIVEN_TO_THE_DIFFUSION_MODEL
+    dit_limit = pack_module("nodes.telemetry").last_run(model.model)["host_limit"]
+    assert dit_limit.startswith("host_gb, ") and dit_limit.endswith(" of it the text encoder's")
     assert last["in_place_bytes"] == te_stats["in_place_bytes"]
 
 
