@@ -107,6 +107,9 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
                          freed_by_packing=anonymous_host_bytes(blocks), givable=givable)
     taken = take_text_encoders_packing(budget.taken_from_text_encoders)
+    if budget.taken_from_text_encoders:  # the room as it is now, whatever the text encoders could give up
+        budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
+                             freed_by_packing=anonymous_host_bytes(blocks))
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
@@ -116,6 +119,7 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
         host_budget=budget.bytes,
         pin_memory=ComfyPinner.enabled(),
         learn_entries=True,
+        returnable=is_text_encoder(model),  # (a text encoder's packed copies are the first a diffusion model takes)
         **_runtime_for(torch.device(device)),
         pinner=ComfyPinner(model),
         progress=lambda done, total: bar.update_absolute(done, total),
@@ -159,6 +163,10 @@ def take_text_encoders_packing(nbytes: int) -> int:
     for model, handle in _live_handles(text_encoders_only=True):
         if taken >= nbytes:
             break
+        if not handle.returnable_bytes():
+            continue
+        for patcher in list(state_of(model).offload_patchers)[:1]:  # (the model's device memory, not a patcher's)
+            patcher.release_handle_memory()  # taken off what ComfyUI counts as loaded too
         freed = handle.give_up_packing(nbytes - taken)
         if freed:
             taken += freed

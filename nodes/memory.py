@@ -165,12 +165,18 @@ def auto_host_room(freed_by_packing: int) -> HostRoom:
     (``anonymous_host_bytes``); and no more than ComfyUI's pinned-memory limit where it pins (a packed copy past
     it could never be pinned). What other models hold pinned does not count: the model that runs takes their
     pins (``handles._make_pin_room``). Never below 0."""
+    tightest = _tightest_room(freed_by_packing)
+    return HostRoom(max(0, tightest.bytes), tightest.bound_by)
+
+
+def _tightest_room(freed_by_packing: int) -> HostRoom:
+    """``auto_host_room`` before it is held at 0 (below 0: that much short already)."""
     rooms = [HostRoom(room.bytes - host_headroom(total) + freed_by_packing, room.bound_by)
              for room, total in host_limits()]
     if pinning_enabled():
         rooms.append(HostRoom(int(mm.MAX_PINNED_MEMORY), PINNED_LIMIT))
     tightest = min(rooms, key=lambda room: room.bytes)
-    return HostRoom(max(0, int(tightest.bytes)), tightest.bound_by)
+    return HostRoom(int(tightest.bytes), tightest.bound_by)
 
 
 @dataclass(frozen=True)
@@ -198,14 +204,18 @@ def host_budget(settings: OffloadSettings, block_bytes: int, *, packed_elsewhere
     copies that can stream from their files instead, ``GroupOffloadHandle.returnable_bytes``); they count as
     room, and ``taken_from_text_encoders`` says how much of them the budget needs.
     """
+    without = _room(settings, packed_elsewhere, freed_by_packing)
+    room = _room(settings, packed_elsewhere - givable, freed_by_packing + givable)
+    room_bytes = max(0, room.bytes)
+    taken = min(givable, max(0, min(block_bytes, room_bytes) - without.bytes))
+    return HostBudget(None if block_bytes <= room_bytes else room_bytes, room.bound_by, taken)
+
+
+def _room(settings: OffloadSettings, packed_elsewhere: int, freed_by_packing: int) -> HostRoom:
+    """``host_budget``'s room, not held at 0."""
     if settings.host_memory == "budget":
-        room = HostRoom(max(0, settings.host_bytes() - packed_elsewhere + givable), "host_gb")
-        without = max(0, settings.host_bytes() - packed_elsewhere)
-    else:
-        room = auto_host_room(freed_by_packing + givable)
-        without = auto_host_room(freed_by_packing).bytes if givable else room.bytes
-    taken = max(0, min(block_bytes, room.bytes) - without)
-    return HostBudget(None if block_bytes <= room.bytes else room.bytes, room.bound_by, taken)
+        return HostRoom(settings.host_bytes() - packed_elsewhere, "host_gb")
+    return _tightest_room(freed_by_packing)
 
 
 def page_cache_room(handle: GroupOffloadHandle, base_model: nn.Module) -> HostRoom:

@@ -184,7 +184,7 @@ class GroupOffloadPatcher(ModelPatcher):
         return ModelPatcher.partially_load(self, device_to, extra_memory, force_patch_weights=force_patch_weights)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
-        freed = self._release_handle_memory()
+        freed = self.release_handle_memory()
         if freed < memory_to_free:
             freed += super().partially_unload(device_to, memory_to_free - freed, force_patch_weights=force_patch_weights)
         return freed
@@ -193,7 +193,7 @@ class GroupOffloadPatcher(ModelPatcher):
         if not unpatch_weights:
             return super().unpatch_model(device_to, unpatch_weights)
         state_of(self.model).read_after_load = None
-        self._release_handle_memory()
+        self.release_handle_memory()
         # ComfyUI restores the patched weights, then moves the whole model to ``device_to``. The blocks
         # are the handle's to place, and a quantized layer's ``.to()`` would give it a new Parameter,
         # which the handle no longer re-points: the move happens here, without them.
@@ -329,7 +329,7 @@ class GroupOffloadPatcher(ModelPatcher):
         replan = self.offload_settings.residency == "auto" and state.run_activations != activation_bytes
         state.run_activations = activation_bytes
         if backed_off or replan:
-            self._release_handle_memory()
+            self.release_handle_memory()
             self.model.model_lowvram = True  # so that load_models_gpu calls load(), which plans for this run
 
     # --- the handle ---------------------------------------------------------------------------
@@ -356,7 +356,9 @@ class GroupOffloadPatcher(ModelPatcher):
         return (built_for(self.model) == self.offload_settings.handle_layout()
                 and handle.config.onload_device == torch.device(device))
 
-    def _release_handle_memory(self) -> int:
+    def release_handle_memory(self) -> int:
+        """The handle's device memory given back, and taken off what ComfyUI counts as loaded (so that its next
+        ``load_models_gpu`` calls ``load()``); returns the bytes."""
         handle = self.current_handle()
         if handle is None or not handle.holds_device_memory():
             return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Iterator, Sequence
@@ -36,8 +35,6 @@ from .runtime import CudaRuntime, Runtime
 from .schedule import Schedule
 from .transfers import Transfers
 
-
-log = logging.getLogger(__name__)
 
 # block -> its handle, weak both ways: the wrapped methods are what keep a handle alive, so a handle
 # lives exactly as long as its blocks can be reached (or until ``remove()``), and never longer.
@@ -60,14 +57,15 @@ class GroupOffloadHandle:
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, resident_bytes: int,
                  fill: FillFn | None, pinner: Pinner | None, progress: Callable[[int, int], None] | None,
-                 runtime: Runtime | None = None, host_budget: int | None = None, learn_entries: bool = False) -> None:
+                 runtime: Runtime | None = None, host_budget: int | None = None, learn_entries: bool = False,
+                 returnable: bool = False) -> None:
         self.config = config
         if runtime is None and config.onload_device.type == "cuda":
             runtime = CudaRuntime(config.onload_device)
         self._runtime = runtime  # None: the device is the host
         pinner = choose_pinner(config.pin_memory, pinner, config.onload_device, runtime)
-        groups, self._sources, self._returnable = build_groups(model, blocks, config.blocks_per_group,
-                                                               resident_bytes, host_budget, fill, progress)
+        groups, self._sources, self._returnable = build_groups(model, blocks, config.blocks_per_group, resident_bytes,
+                                                               host_budget, fill, progress, returnable)
         self.groups = groups
         self._patch = OnloadPatch()
         self._transfers = Transfers(groups, config.onload_device, runtime, pinner, self._patch)
@@ -206,10 +204,13 @@ class GroupOffloadHandle:
         return sum(kept)
 
     def returnable_bytes(self) -> int:
-        """The packed host bytes ``give_up_packing`` could free: those of the packed groups with tensors that were
-        views of read-only file mappings when the handle was built (a whole group's: the others it holds are small
-        beside them, a layer's norms)."""
-        return sum(g.nbytes for g in self.groups if g.returnable)
+        """The packed host bytes ``give_up_packing`` could free (built ``returnable``): the packed groups' tensors
+        that were views of read-only file mappings when the handle was built; 0 once one of those files changed."""
+        try:
+            self._returnable.check()
+        except SourceChangedError:
+            return 0
+        return sum(g.returnable_bytes for g in self.groups)
 
     def give_up_packing(self, at_least: int) -> int:
         """Free at least ``at_least`` bytes of packed host memory, where the groups can give it up
@@ -219,12 +220,7 @@ class GroupOffloadHandle:
         Every group leaves the device first. Nothing is given up where a file changed on disk since the build
         (its views no longer hold what was packed). Returns the bytes freed."""
         returnable = sorted((g for g in self.groups if g.returnable), key=lambda g: (not g.resident, -g.index))
-        if at_least <= 0 or not returnable:
-            return 0
-        try:
-            self._returnable.check()
-        except SourceChangedError as error:
-            log.info("Group Offload: the packed groups keep their host memory: %s", error)
+        if at_least <= 0 or not self.returnable_bytes():
             return 0
         self.release_device_memory()
         mappings, freed = FileMappings(), 0
@@ -398,6 +394,7 @@ def apply_group_offload(
     runtime: Runtime | None = None,
     host_budget: int | None = None,
     learn_entries: bool = False,
+    returnable: bool = False,
 ) -> GroupOffloadHandle:
     """Keep ``blocks`` in packed host mirrors and stream them to ``onload_device`` group by group.
 
@@ -416,6 +413,9 @@ def apply_group_offload(
     ``learn_entries``: also stream a block wherever the model uses it from, its other public methods or
     the modules inside it called directly (``hooks.PartWrappers``); call ``close_open_groups`` at the end
     of each model call, and ``settle_entries`` after the first one that ran blocks.
+    ``returnable``: the packed groups keep aliases of their tensors that are views of read-only file mappings
+    (the mappings stay, their pages the page cache's), so that ``give_up_packing`` can turn them back into
+    groups kept in place.
     """
     config = OffloadConfig(torch.device(onload_device), torch.device(offload_device),
                            blocks_per_group, prefetch, pin_memory, tuple(entry_methods))
@@ -436,7 +436,7 @@ def apply_group_offload(
     if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module more than once")
     return GroupOffloadHandle(model, blocks, config, resident_bytes, fill, pinner, progress, runtime, host_budget,
-                              learn_entries)
+                              learn_entries, returnable)
 
 
 def handle_of(block: nn.Module) -> GroupOffloadHandle | None:

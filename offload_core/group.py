@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .hostmem import FileMappings, SourceFiles
-from .mirror import CopyFn, HostMirror, InPlaceMirror, Pinner, pack_layout, packed_buffer, segment_views
+from .mirror import CopyFn, HostMirror, InPlaceMirror, Pinner, pack_layout, packed_buffer, segment_views, slot_bytes
 from .subclass import Attributed, Flattened, first_inner, flatten, is_wrapper, require_packable
 
 #: Writes a tensor's weights into its host-mirror copy (the loader reads a file straight in); a
@@ -214,9 +214,10 @@ class ModuleGroup:
     """Consecutive blocks whose tensors travel together in one packed copy (on the device; on the host,
     a packed mirror, or the tensors where they are when not ``packed``).
 
-    ``files``: where the tensors may lie in mapped files. A group kept in place reads them there; a packed group
-    whose tensors all lie in mapped files keeps aliases of them (``returnable``), so that its packed mirror can
-    be given up later (``return_to_files``), its files' identity sealed in ``files``' ``SourceFiles``.
+    ``files``: where the tensors may lie in mapped files. A group kept in place reads them there. Given
+    ``returnable_files``, a packed group keeps aliases of its tensors that lie in read-only file mappings
+    (``returnable``), so that its packed mirror can be given up later (``return_to_files``); their files are
+    added to ``returnable_files``, whose identity the caller seals.
     """
 
     def __init__(self, index: int, blocks: list[nn.Module], qualnames: dict[int, str], fill: FillFn | None,
@@ -251,6 +252,7 @@ class ModuleGroup:
                 self._pack(inner, fill)
             else:
                 self._keep_in_place(inner, *files)
+        self.returnable_bytes = self._bytes_in_files()
         plain = [b for b in self.bindings if type(b) is _Binding]
         self._params = [b.param for b in plain if b.param is not None]
         self._buffer_slots = [(slots, name, b.first) for b in plain for slots, name in b.buffer_slots]
@@ -290,10 +292,18 @@ class ModuleGroup:
         """Whether the packed mirror can be given up for the files its tensors were views of (``return_to_files``)."""
         return self._file_views is not None
 
+    def _bytes_in_files(self) -> int:
+        """The packed bytes ``return_to_files`` would free: the slots of the tensors that lie in files."""
+        if self._file_views is None:
+            return 0
+        slots = slot_bytes(self.mirror.segments, self.mirror.nbytes)
+        return sum(slot for slot, view in zip(slots, self._file_views) if view is not None)
+
     def return_to_files(self, mappings: FileMappings, sources: SourceFiles) -> int:
         """Give the packed mirror (and its pin) up: the tensors are their file views again (those that were in no
         file, a norm's vector say, copied out of the mirror), kept in place from now on; returns the bytes of
-        them in files. The group must be off the device (``offload_``)."""
+        them in files (``returnable_bytes``: the host memory freed, but for the copies). The group must be off the
+        device (``offload_``)."""
         self.mirror.unpin()
         with torch.inference_mode(self.inference):
             views = [view if view is not None else packed.clone()
@@ -302,7 +312,8 @@ class ModuleGroup:
             for binding in self._wrappers:
                 binding.forget_host_layout()
             self._keep_in_place(views, mappings, sources)
-        return self.mirror.file_backed_bytes
+        freed, self.returnable_bytes = self.returnable_bytes, 0
+        return freed
 
     @property
     def nbytes(self) -> int:

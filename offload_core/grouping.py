@@ -54,24 +54,25 @@ def check_host_budget(host_budget: int | None, fill: FillFn | None) -> None:
 
 def build_groups(model: nn.Module, blocks: list[nn.Module], blocks_per_group: int, resident_bytes: int,
                  host_budget: int | None, fill: FillFn | None, progress: Callable[[int, int], None] | None,
-                 ) -> tuple[list[ModuleGroup], SourceFiles, SourceFiles]:
+                 returnable: bool = False) -> tuple[list[ModuleGroup], SourceFiles, SourceFiles]:
     """``blocks`` in groups of ``blocks_per_group``, each with its host copy (``apply_group_offload`` says
-    which); the mapped files that the groups kept in place read from; and those the packed groups can be given
-    back to (``ModuleGroup.returnable``: sealed, without a lease, since nothing reads them)."""
+    which); the mapped files that the groups kept in place read from; and (``returnable``) those the packed
+    groups can be given back to (``ModuleGroup.returnable``: sealed, without a lease, since nothing reads them)."""
     qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
     chunks = split_into_groups(blocks, blocks_per_group)
     check_unshared(model, chunks, qualnames)
     groups: list[ModuleGroup] = []
-    sources, returnable = SourceFiles(), SourceFiles()
+    sources, returnable_files = SourceFiles(), SourceFiles()
     packed_chunks = _packed_chunks(chunks, resident_bytes, host_budget)
-    files = None if fill is not None else (FileMappings(), sources)  # (/proc/self/maps read once)
+    files = (FileMappings(), sources) if returnable or not all(packed_chunks) else None  # (/proc/self/maps read once)
     for chunk, packed in zip(chunks, packed_chunks):
-        groups.append(ModuleGroup(len(groups), chunk, qualnames, fill, files, packed, returnable))
+        groups.append(ModuleGroup(len(groups), chunk, qualnames, fill, files, packed, returnable_files if returnable
+                                  else None))
         if progress is not None:
             progress(len(groups), len(chunks))
     sources.seal()
-    returnable.seal(lease=False)
-    return groups, sources, returnable
+    returnable_files.seal(lease=False)
+    return groups, sources, returnable_files
 
 
 def _packed_chunks(chunks: list[list[nn.Module]], resident_bytes: int, host_budget: int | None) -> list[bool]:

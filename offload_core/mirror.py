@@ -45,6 +45,12 @@ def pack_layout(tensors: list[torch.Tensor]) -> tuple[list[Segment], int]:
     return segments, cursor
 
 
+def slot_bytes(segments: list[Segment], nbytes: int) -> list[int]:
+    """Each segment's slot in a buffer of ``nbytes`` (its bytes and the alignment after it), as a group counts them."""
+    ends = [s.offset for s in segments[1:]] + [nbytes]
+    return [end - s.offset for s, end in zip(segments, ends)]
+
+
 def segment_views(buffer: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
     """Typed, shaped views of ``buffer`` (a flat ``uint8`` tensor) for each segment."""
     return [_bytes_of(buffer, s).view(s.dtype).view(s.shape) for s in segments]
@@ -159,8 +165,7 @@ class InPlaceMirror:
             mapping = mappings.find(tensor)
             self._file_backed.append(mapping is not None)
             self._pages.append(None if mapping is None else sources.add(mapping, tensor))
-        ends = [s.offset for s in segments[1:]] + [nbytes]  # each tensor's slot, as the group's bytes count it
-        self.file_backed_bytes = sum(end - s.offset for s, end, mapped in zip(segments, ends, self._file_backed) if mapped)
+        self.file_backed_bytes = sum(slot for slot, mapped in zip(slot_bytes(segments, nbytes), self._file_backed) if mapped)
         # The group's leading bytes whose pages stay in the page cache between gathers (``keep_cached``); the
         # pages past them are released after each gather.
         self.cached_bytes = nbytes

@@ -5,6 +5,7 @@ its gather worker), with the engine's own code and torch's kernels running for r
 """
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -340,7 +341,7 @@ def test_packed_groups_give_their_host_memory_back_to_the_file(tmp_path, checker
     reference, offloaded, x = make(tmp_path)
     mapped = {first_inner(t).data_ptr() for t in offloaded.blocks.state_dict().values()}
     total = host_bytes(offloaded)
-    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker,
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", runtime=checker, returnable=True,
                                  resident_bytes=int(resident_share * total))
     assert handle.returnable_bytes() == handle.stats()["packed_bytes"] == total
     with torch.inference_mode():
@@ -370,15 +371,26 @@ def test_packed_groups_give_their_host_memory_back_to_the_file(tmp_path, checker
 
 def test_packing_is_kept_where_there_is_no_file_or_the_file_changed(tmp_path):
     reference, offloaded, x = make_pair("cpu")  # the tensors in memory of their own: nothing to give back to
-    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", returnable=True)
     assert handle.returnable_bytes() == 0 and handle.give_up_packing(1) == 0
     handle.remove()
     reference, offloaded, x = mapped_pair(tmp_path)
-    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu", returnable=True)
     handle.check_sources()  # packed: the file is not read, and is not leased
     path = tmp_path / "blocks.bin"
     path.write_bytes(bytes(path.stat().st_size))  # another model's bytes under the views
-    assert handle.give_up_packing(1) == 0 and handle.stats()["in_place_bytes"] == 0
+    assert handle.returnable_bytes() == 0 and handle.give_up_packing(1) == 0
+    assert handle.stats()["in_place_bytes"] == 0
     with torch.inference_mode():
         assert torch.equal(offloaded(x), reference(x)), "the packed copies still hold the weights loaded"
+    handle.remove()
+
+
+def test_a_handle_not_built_returnable_lets_the_file_go_once_packed(tmp_path):
+    _, offloaded, _ = mapped_pair(tmp_path)
+    path = str(tmp_path / "blocks.bin")
+    handle = apply_group_offload(offloaded, offloaded.blocks, "cpu")
+    gc.collect()
+    assert handle.returnable_bytes() == 0 and handle.give_up_packing(1) == 0
+    assert path not in hostmem.PROC_MAPS.read_text(), "no alias keeps the mapping"
     handle.remove()

@@ -148,8 +148,8 @@ def test_auto_budget_is_the_ram_available_less_a_headroom_within_the_pinned_limi
     ("auto", 50, 40 - 9.6 + 10, 10),  # the text encoders' packed copies count as room, all of them taken...
     ("auto", 35, None, 35 - 30.4),  # ...or what the blocks need past the room without them
     ("auto", 20, None, 0),  # the room alone holds the blocks: the text encoders keep theirs
-    ("budget", 12, 10 - 12 + 10, 8),  # host_gb 10, 12 packed elsewhere (the text encoders' 10 among them)
-    ("budget", 5, None, 5),
+    ("budget", 12, 10 - 12 + 10, 10),  # host_gb 10, 12 packed elsewhere (the text encoders' 10 among them): 2 short
+    ("budget", 5, None, 5 + 2),  # already, so the text encoders give up 2 more than the blocks take
 ])
 def test_the_text_encoders_packed_copies_are_the_first_room_a_diffusion_model_takes(machine, host_memory, blocks,
                                                                                     expected, taken):
@@ -350,7 +350,7 @@ def test_a_diffusion_model_takes_the_text_encoders_packed_copies_first_and_both_
                        **OFFLOAD_DEFAULTS, host_memory="budget", host_gb=4096.0)
     text_encoder = state_of(clip.patcher.model).handle()
     te_packed = text_encoder.stats()["packed_bytes"]
-    assert te_packed > 0 and text_encoder.returnable_bytes() == te_packed
+    assert te_packed > 0 and 0.99 * te_packed < text_encoder.returnable_bytes() <= te_packed  # (but the layers' norms)
     host_gb = (elsewhere + te_packed) / GiB  # all of it spent already: the text encoder's copies are the only room
     model = offload(load_plain(), host_memory="budget", host_gb=host_gb)
     assert torch.equal(run_txt2img(model, seed=24).latent, expected_latent)
