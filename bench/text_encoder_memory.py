@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 import bench_paths  # noqa: F401  (puts the repository root on sys.path: testbed)
 from host_budget import MB, machine, versions
 from reporting import fmt, markdown_table, replace_section
+from testbed.host_memory import PeakAnonymous, rss_anon_bytes
 
 HEADING = "Text encoder: host memory and encode time with and without the pack (CPU, issue 46)"
 WIDTHS = {"hidden_size": 256, "intermediate_size": 65536, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -50,34 +50,6 @@ WAYS = {
 RESULTS_PREFIX = "TEXT_ENCODER_MEMORY "
 
 
-def anonymous_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class PeakAnonymous:
-    """The highest ``RssAnon`` seen while it runs, sampled on a thread."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.peak, self._interval, self._done = anonymous_bytes(), interval, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._done.wait(self._interval):
-            self.peak = max(self.peak, anonymous_bytes())
-
-    def __enter__(self) -> "PeakAnonymous":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, anonymous_bytes())
-
-
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One way, in this (fresh) process: load, encode both prompts; memory, time and the conditioning."""
     from testbed import text_encoders
@@ -88,7 +60,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     boot_comfyui_in_process()
     text_encoders.use_text_encoders_in_process(Path(spec["models"]))  # (the folder; links the small ones too)
     loader, node, options = WAYS[spec["way"]]
-    before = anonymous_bytes()
+    before = rss_anon_bytes()
     with PeakAnonymous() as peak:
         inputs = {"clip_name": spec["file"], "type": "qwen_image", **(options if node is None else {})}
         clip = node_output(loader, **inputs)
@@ -103,7 +75,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.save(conds, spec["conds"])
     handle = pack_module("nodes.model_state").state_of(clip.patcher.model).handle
     buffers = 0 if handle is None else handle().device_bytes_needed()  # (on a GPU: device memory)
-    return {"peak_anonymous": peak.peak - before, "held_anonymous": anonymous_bytes() - before,
+    return {"peak_anonymous": peak.peak - before, "held_anonymous": rss_anon_bytes() - before,
             "device_buffers": buffers, "encode_seconds": seconds[-1]}
 
 

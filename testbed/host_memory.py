@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -47,3 +48,25 @@ def reset_peak() -> bool:
         log.warning("cannot reset the peak RSS (%s); peaks then include earlier phases", error)
         return False
     return True
+
+
+class PeakAnonymous:
+    """The highest :func:`rss_anon_bytes` seen while it runs (a ``with`` block), sampled on a thread every
+    ``interval`` seconds: the kernel keeps no peak of the anonymous memory alone."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.peak, self._interval, self._done = rss_anon_bytes(), interval, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._interval):
+            self.peak = max(self.peak, rss_anon_bytes())
+
+    def __enter__(self) -> "PeakAnonymous":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon_bytes())

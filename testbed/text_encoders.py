@@ -269,8 +269,10 @@ def _model_class(dotted: str) -> type:
 
 
 def text_encoder_shapes(encoder: Encoder, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                        widths: dict[str, int] | None = None) -> dict[str, torch.Size]:
-    """Key names and shapes of ComfyUI's own text model of ``encoder``, tiny, built on the meta device."""
+                        widths: dict[str, int] | None = None,
+                        vision: dict[str, int] | None = None) -> dict[str, torch.Size]:
+    """Key names and shapes of ComfyUI's own text model of ``encoder``, built on the meta device: tiny, or of
+    ``widths`` (``{}``: the real ones); its vision tower (Qwen2.5-VL) tiny, or of ``vision`` (``{}``: the real one)."""
     narrow_text_encoder_configs()
     import comfy.ops
 
@@ -280,7 +282,7 @@ def text_encoder_shapes(encoder: Encoder, num_layers: int | None = None, dtype: 
         raise ValueError(f"num_layers={layers}: ComfyUI needs {encoder.min_layers} layers at least to tell "
                          f"{encoder.te_model} apart")
     config |= {**(encoder.tiny if widths is None else widths), encoder.layers_key: layers}
-    with _vision_narrowed(encoder.vision):
+    with _vision_narrowed(encoder.vision if vision is None else vision):
         model = _model_class(encoder.model_class)(config, dtype, "meta", comfy.ops.disable_weight_init)
     return {key: value.shape for key, value in model.state_dict().items()}
 

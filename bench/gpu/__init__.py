@@ -27,6 +27,11 @@ failing row never hides the others (an out-of-memory row says so):
 - ``gguf``      full-size GGUF files (Q8_0, Q4_K), ComfyUI-GGUF as shipped against this pack (``families/gguf.py``);
 - ``compile-*`` torch.compile, five systems in five processes (``compile`` names them all; ``families/compile.py``);
 - ``box``       the user's machine: a 20.4 GB fp8 file, less RAM, a cold page cache (``families/box.py``);
+- ``te-*``      the text encoder (issue 46): a 15.5 GB Qwen2.5-VL-7B-shaped bf16 file at a 12 GiB card, ComfyUI's
+                Dynamic VRAM, legacy, pageable, ``--lowvram`` (CPU encode) and this pack's node (prefetch 0, 1) and
+                loader, seven processes (``text_encoder`` names them all, a call of their own: 375 s of shares;
+                ``families/text_encoder.py``): first encode, s per prompt change, steady encode, peak anonymous RAM,
+                the conditioning's max |Δ| against ComfyUI's;
 - ``legacy``    ComfyUI with ``--disable-dynamic-vram``: its legacy partial load at 24 and 16 GiB;
 - ``pack``      this pack's earlier rows: ``auto`` and ``stream_all`` p1/p2 at each cap, pins refused or capped,
                 a host budget of 25 %;
@@ -46,7 +51,7 @@ Rooms (``bench/gpu/``; ``bench/gpu_benchmark.py`` is the command)::
     weights    seeded random weights in the shapes of ComfyUI's Qwen-Image
     comfyui    ComfyUI started in this process as main.py starts it; the model through its loader
     balloon    the caps: the card's, and the host's RAM (a smaller machine)
-    files      full-size model files on the local disk: fp8 safetensors, GGUF
+    files      full-size model files on the local disk: fp8 safetensors, GGUF, any model's tensors by shape
     timing     step clock, bandwidths, one step's trace and its overlap arithmetic
     sampling   one row through ComfyUI's sampler; this pack's rows and ComfyUI's own
     families/  one room per family (the ``--worker`` side)

@@ -13,17 +13,22 @@ from .config import GIB, BenchConfig
 from .weights import random_state_dict
 
 
-def start_comfyui(config: BenchConfig, dynamic: bool) -> str:
+def start_comfyui(config: BenchConfig, dynamic: bool, flags: dict[str, bool] | None = None) -> str:
     """Import ComfyUI into this process as main.py starts it; returns which patcher it runs.
 
     ``dynamic``: comfy-aimdo's library first, then its devices, ``ModelPatcherDynamic`` as the core
     patcher and the global switch, as main.py does by default. Without CUDA (``--smoke``) ComfyUI
-    runs ``--cpu``, which switches Dynamic VRAM off in main.py too.
+    runs ``--cpu``, which switches Dynamic VRAM off in main.py too. ``flags``: command-line flags
+    (``comfy.cli_args.args`` names, e.g. ``lowvram``), set before ComfyUI reads them at import.
     """
     from testbed.comfy_boot import boot_comfyui_in_process, prepare_comfy_import
     from testbed.fixture_models import widen_qwen_detection
 
     prepare_comfy_import(cpu=config.smoke)
+    import comfy.cli_args
+
+    for name, value in (flags or {}).items():
+        setattr(comfy.cli_args.args, name, value)
     if dynamic and not config.smoke:
         import comfy_aimdo.control
 

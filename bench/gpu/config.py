@@ -37,6 +37,13 @@ class BenchConfig:
     # (RAM, card) pairs of the user's machines: 32 GB with a 16 GiB card, 16 GB with a 12 GiB card.
     box_machines: tuple[tuple[int, int], ...] = ((32 * GIB, 16 * GIB), (16 * GIB, 12 * GIB))
     box_os_bytes: int = 3 * GIB  # what the OS and desktop hold on such a machine, beside ComfyUI
+    # The text-encoder family's Qwen2.5-VL-7B: its real widths (te_tiny: the test bed's tiny ones), te_layers of its
+    # 28 (ComfyUI builds 28 from a full-width file: fewer would leave layers unloaded), bf16, at te_cap_bytes;
+    # te_prompts (at most 3: the family's PROMPTS) steady encodes and as many prompt changes after the first.
+    te_tiny: bool = False
+    te_layers: int = 28
+    te_cap_bytes: int = 12 * GIB
+    te_prompts: int = 3
     steps: int = 2  # timed, after one warm-up step
     row_limit_s: float = 60.0  # a row stops after the step that passes it (the steps so far are kept)
     lora_rank: int = 16
@@ -49,13 +56,14 @@ class BenchConfig:
 
 def smoke_config() -> BenchConfig:
     """Three blocks of width 64 at 64×64 on the CPU; the caps are labels only (nothing is enforced); torch.compile
-    without inductor (``compile_backend``)."""
+    without inductor (``compile_backend``); the test bed's tiny Qwen2.5-VL-7B of 2 layers."""
     return BenchConfig(smoke=True, blocks=3, heads=2, head_dim=32, joint_dim=64, width=64, height=64,
                        text_tokens=8, steps=2, pool_numel=1 << 12, caps_bytes=(2 * 2**20, 2**20),
                        fp8_caps_bytes=(2**20,), legacy_caps_bytes=(2 * 2**20, 2**20),
                        gguf_caps_bytes={"Q8_0": (2**20, 2 * 2**20), "Q4_K": (2**20,)}, compile_blocks=2,
                        compile_cap_bytes=2**20, compile_backend="aot_eager", box_blocks=3,
-                       box_machines=((32 * GIB, 2 * 2**20), (16 * GIB, 2**20)))
+                       box_machines=((32 * GIB, 2 * 2**20), (16 * GIB, 2**20)), te_tiny=True, te_layers=2,
+                       te_cap_bytes=2**20, te_prompts=2)
 
 
 @dataclass
@@ -80,6 +88,9 @@ class Row:
     load_s: float | None = None  # the loader node's time, where the row loads a file (box)
     second_first_step_s: float | None = None  # the first step of a second generation queued after the first (box)
     disk_bytes: float | None = None  # this pack's gathered_from_disk_bytes per timed step
+    change_s: list[float] = field(default_factory=list)  # the text encoder's encodes after a prompt change
+    peak_anon_bytes: int | None = None  # the peak anonymous memory above the process's before the load
+    max_abs_diff: float | None = None  # the text encoder's conditioning against ComfyUI's (max |Δ|)
     note: str = ""
     skipped: str | None = None
     index: int | None = None  # the row's place in its family, set as it begins (begin_row)

@@ -1,6 +1,7 @@
 """Model files the size users run, written on the machine's local disk, streamed tensor by tensor so that a
 20 GB file never sits in memory: ComfyUI's Qwen-Image as an fp8 ``.safetensors`` and as a GGUF (Q8_0, or Q4_K
-from crafted blocks, as ``testbed/gguf_files.py`` crafts them). The values are seeded and tiled from a pool
+from crafted blocks, as ``testbed/gguf_files.py`` crafts them), and any other model's tensors by their shapes (the
+text-encoder family's Qwen2.5-VL-7B). The values are seeded and tiled from a pool
 (``RandomWeights``; for GGUF, a pool of encoded blocks): their speed is what is measured, not their image."""
 from __future__ import annotations
 
@@ -47,7 +48,12 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 def write_safetensors(path: Path, config: BenchConfig, dtype: torch.dtype) -> dict[str, float]:
     """ComfyUI's Qwen-Image at ``config``'s size as a ``.safetensors`` in ``dtype``, fsynced; its size and the
     seconds the write took (to the disk, not the page cache)."""
-    shapes = comfy_qwen_shapes(config)
+    return write_shapes(path, comfy_qwen_shapes(config), dtype, config.pool_numel)
+
+
+def write_shapes(path: Path, shapes: dict[str, torch.Size], dtype: torch.dtype, pool_numel: int) -> dict[str, float]:
+    """A ``.safetensors`` of the tensors ``shapes`` in ``dtype`` (1-D ones bf16), seeded values tiled from a pool
+    of ``pool_numel`` (``RandomWeights``), written tensor by tensor and fsynced; its size and the seconds it took."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         tensor_dtype = _tensor_dtype(shape, dtype)
@@ -57,7 +63,7 @@ def write_safetensors(path: Path, config: BenchConfig, dtype: torch.dtype) -> di
         offset += size
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    weights = RandomWeights(config.pool_numel)
+    weights = RandomWeights(pool_numel)
     started = time.perf_counter()
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(encoded)) + encoded)
@@ -128,12 +134,18 @@ def gguf_size(config: BenchConfig, qtype: object) -> int:
 
 
 def safetensors_size(config: BenchConfig, dtype: torch.dtype) -> int:
-    return sum(shape.numel() * _tensor_dtype(shape, dtype).itemsize for shape in comfy_qwen_shapes(config).values())
+    return shapes_size(comfy_qwen_shapes(config), dtype)
 
 
-def use_folder_for_models(folder: Path) -> None:
-    """Make the in-process ComfyUI's loaders (and ComfyUI-GGUF's, which share the list) find files in ``folder``."""
+def shapes_size(shapes: dict[str, torch.Size], dtype: torch.dtype) -> int:
+    """The tensor bytes of :func:`write_shapes`' file of ``shapes`` in ``dtype``."""
+    return sum(shape.numel() * _tensor_dtype(shape, dtype).itemsize for shape in shapes.values())
+
+
+def use_folder_for_models(folder: Path, kind: str = "diffusion_models") -> None:
+    """Make the in-process ComfyUI's loaders of ``kind`` (and ComfyUI-GGUF's, which share the list) find files in
+    ``folder``."""
     import folder_paths
 
-    if str(folder) not in folder_paths.get_folder_paths("diffusion_models"):
-        folder_paths.add_model_folder_path("diffusion_models", str(folder), is_default=True)
+    if str(folder) not in folder_paths.get_folder_paths(kind):
+        folder_paths.add_model_folder_path(kind, str(folder), is_default=True)

@@ -56,7 +56,7 @@ def results_markdown(rows: list[dict[str, Any]], facts: dict[str, Any], traces: 
               fmt(r["vs_bound"]), fmt(r["compute_wait_ms"], 1), fmt(r["copies"], 0), _gb(r["d2h_bytes"]),
               fmt(r["calls_per_step"], 1), "—" if r["resident_groups"] is None else str(r["resident_groups"]),
               f"{_gb(r['pinned_bytes'])} / {_gb(r['comfy_pinned_bytes'])}", _gb(r["peak_rss_bytes"]),
-              r["skipped"] or r["note"]] for r in rows]
+              r["skipped"] or r["note"]] for r in rows if not is_text_encoder(r)]
     lines = [header, "", f"Bandwidth (GB/s, 1 GiB copies): {bw or 'not measured'}.",
              f"ComfyUI started with: {facts.get('patcher', '?')}; allocator {facts.get('allocator') or 'default'}."]
     for trace in traces:
@@ -68,8 +68,8 @@ def results_markdown(rows: list[dict[str, Any]], facts: dict[str, Any], traces: 
                          f"of the copy time hidden); GPU idle {100 * trace['gpu_idle_of_step']:.0f} % of the step.")
         else:
             lines.append(f"Profiled step ({trace['family']}: {trace['mode']}): `{trace['trace']}` (no GPU events on a CPU).")
-    lines += compile_lines(rows) + box_lines(rows, facts)
-    return "\n".join(lines) + "\n\n" + markdown_table(headers, table)
+    lines += compile_lines(rows) + box_lines(rows, facts) + text_encoder_lines(rows, facts)
+    return "\n".join(lines) + ("\n\n" + markdown_table(headers, table) if table else "")
 
 
 def compile_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -96,13 +96,40 @@ def box_lines(rows: list[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
     return ["", file_line, "", markdown_table(headers, table), ""]
 
 
+def text_encoder_lines(rows: list[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
+    """The text encoder's own table (``families/text_encoder.py``): load, first, prompt-change and steady encodes,
+    memory, the conditioning's max |Δ| against ComfyUI's."""
+    te = [r for r in rows if is_text_encoder(r)]
+    if not te:
+        return []
+    written = facts.get("te_file")
+    made = (f" of {written['bytes'] / 1e9:.1f} GB, {written['layers']} layers "
+            f"({'full size' if written['full_size'] else 'tiny, --smoke'}), written in {written['write_s']:.0f} s"
+            if written else "")
+    headers = ["system", "mode", "cap", "load s", "first encode s", "s per prompt change", "steady encode s",
+               "peak anonymous GB", "peak RSS GB", "pinned GB (pack / ComfyUI)", "max |Δ| vs ComfyUI", "note"]
+    table = [[r["system"], r["mode"], cap_label(r["cap_bytes"]), fmt(r["load_s"], 1), fmt(r["first_step_s"], 2),
+              fmt(statistics.median(r["change_s"]) if r["change_s"] else None, 2), fmt(r["seconds"], 2),
+              _gb(r["peak_anon_bytes"]), _gb(r["peak_rss_bytes"]), f"{_gb(r['pinned_bytes'])} / {_gb(r['comfy_pinned_bytes'])}",
+              "—" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}", r["skipped"] or r["note"]] for r in te]
+    return ["", f"The text encoder: a Qwen2.5-VL-7B-shaped bf16 file{made}; a prompt change is an encode after "
+            "unload_all_models() (the diffusion model took the card); steady: the encoder left where it was.", "",
+            markdown_table(headers, table), ""]
+
+
+def is_text_encoder(row: dict[str, Any]) -> bool:
+    """A row of the text-encoder family: encodes, not sampling steps (its own table, not the chart)."""
+    return row["family"].startswith("te-")
+
+
 def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
     """A PNG bar chart of s/step per system at each cap (Pillow); False when Pillow is missing."""
     try:
         from PIL import Image, ImageDraw
     except ImportError:
         return False
-    bars = [(f"{r['dtype']} {cap_label(r['cap_bytes'])}  {r['system']}, {r['mode']}", r["seconds"]) for r in rows if r["seconds"]]
+    bars = [(f"{r['dtype']} {cap_label(r['cap_bytes'])}  {r['system']}, {r['mode']}", r["seconds"]) for r in rows
+            if r["seconds"] and not is_text_encoder(r)]
     if not bars:
         return False
     longest = max(s for _, s in bars)

@@ -14,9 +14,11 @@ from .legacy import legacy_family
 from .lora import lora_rows
 from .pack import auto_family, pack_family
 from .shipped import shipped_family
+from .text_encoder import TEXT_ENCODER_SYSTEMS, text_encoder_family
 
 WORKERS: dict[str, Callable[[BenchConfig, Path], None]] = {
     "shipped": shipped_family, "auto": auto_family, "fp8": fp8_family, "gguf": gguf_family,
-    **{system: compile_family(system) for system in COMPILE_SYSTEMS}, "box": box_family, "legacy": legacy_family,
+    **{system: compile_family(system) for system in COMPILE_SYSTEMS}, "box": box_family,
+    **{system: text_encoder_family(system) for system in TEXT_ENCODER_SYSTEMS}, "legacy": legacy_family,
     "pack": pack_family, "lora": lambda config, out: lora_rows("lora", config, out),
     "lora-native": lambda config, out: lora_rows("lora-native", config, out), "baselines": baselines_family}
