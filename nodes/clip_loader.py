@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 import comfy.sd
 import comfy.utils
@@ -33,20 +34,65 @@ from .text_encoder import make_offloaded_clip
 _ACCEPTS_DISABLE_DYNAMIC = "disable_dynamic" in inspect.signature(comfy.sd.load_clip).parameters
 
 
+# Torch functions that read no tensor's values (metadata, aliases: ComfyUI's ``module_size`` detaches every weight).
+_READS_NO_VALUES = frozenset({
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+    torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.data_ptr, torch.Tensor.detach, torch.Tensor.requires_grad_,
+    torch._has_compatible_shallow_copy_type,
+})
+# Those that give the tensor itself where nothing is to be read (a module moved where it already is).
+_SELF_WHEN_NOTHING_READ = frozenset({torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.contiguous})
+_CLONES = frozenset({torch.Tensor.clone, torch.clone})
+
+
+def _storage_key(tensor: object) -> int | None:
+    """The address of a plain tensor's (or Parameter's) storage, shared by its aliases; None for anything else."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
+        return None
+    return tensor.untyped_storage().data_ptr() or None
+
+
+def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+def _reads_values(func, args: tuple) -> bool:
+    """Whether ``func`` may read or write the values of its tensors (setting ``.data`` to an alias does not)."""
+    if func in _READS_NO_VALUES or getattr(func, "__name__", None) == "__get__":  # (a property: shape, dtype...)
+        return False
+    if getattr(func, "__name__", None) == "__set__":
+        return len({_storage_key(a) for a in args if isinstance(a, torch.Tensor)}) > 1
+    return True
+
+
 class _DeferredCopies(TorchFunctionMode):
-    """Records, instead of making them, the copies of the mapped files' matrices into other tensors: each
-    destination's id -> (destination, source view)."""
+    """Records, instead of making them, the copies of the mapped files' matrices into tensors of the model: a
+    ``copy_`` into a tensor, or a ``clone`` (Dynamic VRAM's Linear and Embedding load so), which then gives a new
+    empty tensor. A record is kept by its destination's storage (the record keeps it alive, so no other tensor
+    can take its address; a Parameter made over the destination shares it). Until the records are taken
+    (``record_of``) or made (``make_copies``), a recorded destination that any other torch function reads or
+    writes gets its copy first, so a later write stands and a read sees the file's values."""
 
     def __init__(self, mappings: list[torch.Tensor]) -> None:
         super().__init__()
         self._spans = [(m.data_ptr(), m.data_ptr() + m.numel()) for m in mappings]
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (destination, source)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and len(args) == 2 and not kwargs and self._deferrable(*args):
-            self.copies[id(args[0])] = args
+            self._record(*args)
             return args[0]
+        if func in _CLONES and len(args) == 1 and not kwargs and self._deferrable(args[0], args[0]):
+            destination = torch.empty_like(args[0])
+            self._record(destination, args[0])
+            return destination
+        used = {key for t in tree_leaves((args, kwargs)) if (key := _storage_key(t)) in self._records}
+        if used and func in _SELF_WHEN_NOTHING_READ and (result := func(*args, **kwargs)) is args[0]:
+            return result
+        if used and _reads_values(func, args):
+            self._flush(used)
         return func(*args, **kwargs)
 
     def _deferrable(self, destination: torch.Tensor, source: torch.Tensor) -> bool:
@@ -55,7 +101,38 @@ class _DeferredCopies(TorchFunctionMode):
             return False
         if flatten(destination)[0] is not None or destination.is_meta:  # (a quantized weight: made of its parts)
             return False
+        if _storage_key(destination) is None:
+            return False
         return any(start <= source.data_ptr() < end for start, end in self._spans)
+
+    def _record(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """The copy recorded, in place of an earlier one into the same region (overwritten whole); an earlier
+        one into another region of the same storage is made first."""
+        key = _storage_key(destination)
+        earlier = self._records.get(key)
+        if earlier is not None and not _same_region(earlier[0], destination):
+            self._flush({key})
+        self._records[key] = (destination, source)
+
+    def _flush(self, keys: set[int]) -> None:
+        with torch.no_grad():
+            for key in keys:
+                destination, source = self._records.pop(key)
+                destination.copy_(source)
+
+    def record_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(destination, source) of the copy recorded into exactly ``tensor`` (or an alias of it), if any."""
+        record = self._records.get(_storage_key(tensor))
+        return record if record is not None and _same_region(record[0], tensor) else None
+
+    def forget(self, tensors: list[torch.Tensor]) -> None:
+        """The records into ``tensors`` dropped: nothing holds their destinations any more."""
+        for tensor in tensors:
+            self._records.pop(_storage_key(tensor), None)
+
+    def make_copies(self) -> None:
+        """The recorded copies still to make, made as ComfyUI would have made them."""
+        self._flush(set(self._records))
 
 
 def _mapped_state_dicts(paths: list[str]) -> tuple[dict[str, tuple[dict, dict | None]], list[torch.Tensor]]:
@@ -94,7 +171,15 @@ def _files_read_as_views(loaded: dict[str, tuple[dict, dict | None]]) -> Iterato
 def load_offloaded_clip(paths: list[str], clip_type: Any, model_options: dict, settings: OffloadSettings,
                         embedding_directory: Any = None) -> comfy.sd.CLIP:
     """ComfyUI's ``load_clip`` of ``paths`` (its CLIPLoader's), with the text encoder's layers left in the mapped
-    files and streamed by Group Offload (text encoder)."""
+    files and streamed by Group Offload (text encoder), packed now as far as the host budget allows."""
+    offloaded = _clip_on_the_files(paths, clip_type, model_options, settings, embedding_directory)
+    build_handle(offloaded.patcher.model, offloaded.patcher.blocks(), offloaded.patcher.load_device, settings)
+    return offloaded
+
+
+def _clip_on_the_files(paths: list[str], clip_type: Any, model_options: dict, settings: OffloadSettings,
+                       embedding_directory: Any) -> comfy.sd.CLIP:
+    """``load_offloaded_clip`` but for the handle, which its patcher builds at its first load."""
     loaded, mappings = _mapped_state_dicts(paths)
     # Built on the CPU, never loaded to the GPU whole (ComfyUI does where the card has room); a plain patcher.
     model_options = {**model_options, "initial_device": torch.device("cpu"), "offload_device": torch.device("cpu")}
@@ -107,38 +192,36 @@ def load_offloaded_clip(paths: list[str], clip_type: Any, model_options: dict, s
     try:
         own_text_encoder_layers(text_encoders)
     except ValueError:
-        _make_copies(deferred.copies)  # (the CLIP as ComfyUI loads it, for the error only)
+        deferred.make_copies()  # (the CLIP as ComfyUI loads it, for the error only)
         raise
-    _layers_to_the_files(text_encoders, deferred.copies)
-    _make_copies(deferred.copies)
+    _layers_to_the_files(text_encoders, deferred)
+    deferred.make_copies()
     for mapping in mappings:
         copy_out_of(mapping, text_encoders)
     offloaded = make_offloaded_clip(clip, settings)
-    build_handle(offloaded.patcher.model, offloaded.patcher.blocks(), offloaded.patcher.load_device, settings)
     if hasattr(offloaded.patcher, "cached_patcher_init"):  # newest ComfyUI loads the model again through it
         offloaded.patcher.cached_patcher_init = (_load_again, (paths, clip_type, model_options, settings,
                                                                embedding_directory))
     return offloaded
 
 
-def _layers_to_the_files(text_encoders: nn.Module, copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _layers_to_the_files(text_encoders: nn.Module, deferred: _DeferredCopies) -> None:
     """The layers' tensors whose copy was deferred become the files' views (of the model's dtype: a file of
-    another dtype is converted, into memory of its own, as ComfyUI's copy converts it)."""
+    another dtype is converted, into memory of its own, as ComfyUI's copy converts it). Their records go, but for
+    a destination that a tensor of the model still holds (tied to a layer's): that one is copied still."""
+    replaced = []
     for _, module, table, attr in tensor_slots(text_encoders, in_blocks=True):
-        destination, source = copies.pop(id(table[attr]), (None, None))
-        if destination is not None:
-            replace_tensor(module, table, attr, [source.to(destination.dtype)])
-
-
-def _make_copies(copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The deferred copies of the tensors outside the layers, made as ComfyUI would have made them."""
-    with torch.no_grad():
-        for destination, source in copies.values():
-            destination.copy_(source)
-    copies.clear()
+        record = deferred.record_of(table[attr])
+        if record is not None:
+            replaced.append(record[0])
+            replace_tensor(module, table, attr, [record[1].to(record[0].dtype)])
+    held = {_storage_key(t) for t in (*text_encoders.parameters(), *text_encoders.buffers())}
+    deferred.forget([destination for destination in replaced if _storage_key(destination) not in held])
 
 
 def _load_again(paths: list[str], clip_type: Any, model_options: dict, settings: OffloadSettings,
                 embedding_directory: Any, disable_dynamic: bool = True):
-    """``load_offloaded_clip`` as ComfyUI calls a loader to load a model again: its patcher."""
-    return load_offloaded_clip(paths, clip_type, model_options, settings, embedding_directory).patcher
+    """``load_offloaded_clip`` as ComfyUI calls a loader to load a model again: its patcher, with no handle yet.
+    ComfyUI clones it (a deep copy, a multi-GPU copy) and the clone builds the one handle at its first load, for its
+    own settings and load device (built here, it would be built again there whenever those differ)."""
+    return _clip_on_the_files(paths, clip_type, model_options, settings, embedding_directory).patcher

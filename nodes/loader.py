@@ -163,8 +163,15 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     The block keys are those inside the block lists of the model ComfyUI detects from the file, found on
     the meta device first. Quantized layers (``comfy_quant`` files, and old scaled-fp8 ones that newest
     ComfyUI converts) are mapped the same way: each inner tensor of a quantized weight (data, scales)
-    from its own key.
+    from its own key. Packed now as far as the host budget allows.
     """
+    offloaded = _offloaded_on_the_file(path, model_options, settings)
+    build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings)
+    return offloaded
+
+
+def _offloaded_on_the_file(path: str, model_options: dict, settings: OffloadSettings) -> GroupOffloadPatcher:
+    """``load_offloaded`` but for the handle, which the patcher builds at its first load."""
     st = SafetensorsFile(path)
     mapping = map_file(path)  # read-only: the tensors ComfyUI reads are views of it, nothing else is read
     state_dict = {key: st.placeholder(key) if _read_later(st, key) else st.tensor(mapping, key) for key in st.entries}
@@ -191,7 +198,6 @@ def load_offloaded(path: str, model_options: dict, settings: OffloadSettings) ->
     _map_blocks(diffusion_model, st, mapping, file_keys, inner_keys)
     copy_out_of(mapping, diffusion_model)
     offloaded = make_offloaded(patcher, settings)
-    build_handle(offloaded.model, offloaded.blocks(), offloaded.load_device, settings)
     if hasattr(offloaded, "cached_patcher_init"):  # newest ComfyUI's deep clones load the model again through it
         offloaded.cached_patcher_init = (_load_again, (path, model_options, settings))
     return offloaded
@@ -295,5 +301,7 @@ def _offload_device_on_the_cpu() -> Iterator[None]:
 
 def _load_again(path: str, model_options: dict, settings: OffloadSettings,
                 disable_dynamic: bool = True) -> GroupOffloadPatcher:
-    """``load_offloaded`` as ComfyUI calls a loader to load a model again (it never makes a dynamic patcher)."""
-    return load_offloaded(path, model_options, settings)
+    """``load_offloaded`` as ComfyUI calls a loader to load a model again (it never makes a dynamic patcher), with no
+    handle yet: the clone ComfyUI makes of it builds the one handle at its first load, for its own settings and
+    load device."""
+    return _offloaded_on_the_file(path, model_options, settings)

@@ -348,6 +348,7 @@ class GroupOffloadPatcher(ModelPatcher):
             remove_handle(self.model)  # the new handle adopts the packed host buffers as they are
             handle = None
         if handle is None:
+            _blocks_to_the_host(self.blocks(), self.offload_device)
             handle = build_handle(self.model, self.blocks(), device, self.offload_settings)
         return handle
 
@@ -398,6 +399,16 @@ class GroupOffloadPatcher(ModelPatcher):
         if "_run_reads_stack" not in self.__dict__:
             self._run_reads_stack = contextlib.ExitStack()
         return self._run_reads_stack
+
+
+def _blocks_to_the_host(blocks: list[nn.Module], host: torch.device) -> None:
+    """Blocks that a plain patcher of the model left on the device come back to the host before a handle is built
+    on them: ComfyUI hands a loaded model over to a clone without moving its weights back (``load_models_gpu``
+    detaches the other clones with ``unpatch_all=False``), and the build packs a tensor off the host whatever the
+    host budget allows."""
+    for block in blocks:
+        if any(t.device != host for t in (*block.parameters(), *block.buffers())):
+            block.to(host)
 
 
 # --- the blocks in the model's own state dict --------------------------------------------------------

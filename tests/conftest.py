@@ -115,6 +115,14 @@ def decisions_of_the_card(monkeypatch: pytest.MonkeyPatch) -> gpu_decisions.Card
 
 
 @pytest.fixture
+def aimdo_switch(comfy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamic VRAM's global switch on, as main.py sets it when comfy-aimdo starts (Linear and Embedding weights
+    then load lazily, in the file's dtype)."""
+    memory_management = pytest.importorskip("comfy.memory_management", reason="this ComfyUI has no Dynamic VRAM")
+    monkeypatch.setattr(memory_management, "aimdo_enabled", True)
+
+
+@pytest.fixture
 def fake_cudart(comfy, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     """ComfyUI pins through a recording stand-in for the CUDA runtime, as on a GPU machine (see fake_cudart)."""
     import comfy.model_management as mm

@@ -2,7 +2,8 @@
 
 main.py, when comfy-aimdo starts, sets ``comfy.memory_management.aimdo_enabled`` (Linear weights then
 load lazily, in the file's dtype) and installs ``ModelPatcherDynamic`` as ``CoreModelPatcher`` (the
-class every loader returns). Both are set here the same way; ComfyUI's code runs unchanged.
+class every loader returns). Both are set here the same way (the switch: the ``aimdo_switch`` fixture, in
+conftest.py); ComfyUI's code runs unchanged.
 """
 from __future__ import annotations
 
@@ -18,13 +19,6 @@ import torch
 from testbed.comfy_boot import TESTBED_DIR, comfyui_path
 from testbed.run_nodes import run_txt2img
 from testbed.node_runs import FOUR_BLOCKS, offload_handle, load_offloaded, load_plain, offload
-
-
-@pytest.fixture
-def aimdo_switch(comfy, monkeypatch):
-    """Dynamic VRAM's global switch on, as main.py sets it when comfy-aimdo starts."""
-    memory_management = pytest.importorskip("comfy.memory_management", reason="this ComfyUI has no Dynamic VRAM")
-    monkeypatch.setattr(memory_management, "aimdo_enabled", True)
 
 
 def file_state_dict() -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ it."""
 from __future__ import annotations
 
 import gc
+import inspect
+import logging
 
 import pytest
 import torch
@@ -102,29 +104,99 @@ def test_a_clip_lora_before_and_after_the_node(name, te_names, comfy_models):
     assert_identical(encodings(with_lora(offloaded(clip))), expected)
 
 
+IN_PLACE = dict(host_memory="budget", host_gb=0.0)
+
+
+def load_in_the_files(name: str, te_names: dict[str, str], **inputs):
+    family = family_or_skip(name)
+    return node_output("GroupOffloadCLIPLoader", clip_name=te_names[family.encoders[0]], type=family.type,
+                       **STREAM_ALL, **inputs)
+
+
+def mapped(tensor: torch.Tensor) -> bool:
+    return not tensor.untyped_storage().resizable()  # (frombuffer over the mapping)
+
+
+def assert_layers_in_the_files(clip) -> None:
+    """The layers' matrices are views of the file's read-only mapping, not copies in memory of their own (ComfyUI
+    reads the norms' vectors at once); every other tensor has memory of its own, as ComfyUI loads it."""
+    layers = {id(t): t for block in clip.patcher.blocks() for t in (*block.parameters(), *block.buffers())}
+    matrices = [t for t in layers.values() if t.dim() >= 2]
+    assert all(mapped(t) for t in matrices)
+    stats = handle_of(clip).stats()
+    assert stats["packed_bytes"] == 0 and stats["file_backed_bytes"] >= sum(t.nbytes for t in matrices)
+    model = clip.patcher.model
+    assert not [t for t in (*model.parameters(), *model.buffers()) if id(t) not in layers and mapped(t)]
+
+
 @pytest.mark.parametrize("host", ["packed", "in_place"])
 @pytest.mark.parametrize("name", SINGLE_FILE)
 def test_the_loader_encodes_as_comfyui(name, host, te_names):
-    family = family_or_skip(name)
     expected = encodings(load(name, te_names))
-    budget = dict(host_memory="budget", host_gb=0.0) if host == "in_place" else {}
-    clip = node_output("GroupOffloadCLIPLoader", clip_name=te_names[family.encoders[0]], type=family.type,
-                       **STREAM_ALL, **budget)
-    stats = handle_of(clip).stats()
+    clip = load_in_the_files(name, te_names, **(IN_PLACE if host == "in_place" else {}))
     if host == "in_place":
-        # The layers' matrices are views of the file's read-only mapping, not copies in memory of their own (ComfyUI
-        # reads the norms' vectors at once).
-        tensors = [t for block in clip.patcher.blocks() for t in (*block.parameters(), *block.buffers())]
-
-        def mapped(tensor: torch.Tensor) -> bool:
-            return not tensor.untyped_storage().resizable()  # (frombuffer over the mapping)
-
-        matrices = [t for t in tensors if t.dim() >= 2]
-        assert all(mapped(t) for t in matrices)
-        assert stats["packed_bytes"] == 0 and stats["file_backed_bytes"] >= sum(t.nbytes for t in matrices)
+        assert_layers_in_the_files(clip)
     else:
+        stats = handle_of(clip).stats()
         assert stats["in_place_bytes"] == 0 and stats["packed_bytes"] > 0
     assert_identical(encodings(clip), expected)
+
+
+@pytest.mark.parametrize("name", SINGLE_FILE)
+def test_the_loader_leaves_the_layers_in_the_files_under_dynamic_vram(name, te_names, request):
+    """With Dynamic VRAM's switch on, ComfyUI's Linear and Embedding take a clone of the file's tensor, not a copy
+    into their own: the clone is deferred as the copy is."""
+    expected = encodings(load(name, te_names))  # (ComfyUI's CLIPLoader with the switch on reads through comfy-aimdo)
+    request.getfixturevalue("aimdo_switch")
+    clip = load_in_the_files(name, te_names, **IN_PLACE)
+    assert_layers_in_the_files(clip)
+    assert_identical(encodings(clip), expected)
+
+
+def test_a_deferred_copy_gives_way_to_what_comfyui_does_with_its_destination_later(tmp_path):
+    """A recorded copy is made before any later use of its destination: a later write stands, a read sees the
+    file's values, a write into a deferred clone writes its own memory, never the read-only mapping."""
+    from safetensors.torch import save_file
+
+    matrix = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": matrix}, str(tmp_path / "w.safetensors"))
+    mapping = pack_module("offload_core").map_file(tmp_path / "w.safetensors")
+    view = pack_module("nodes.safetensors_file").SafetensorsFile(str(tmp_path / "w.safetensors")).tensor(mapping, "w")
+    written, read = torch.empty(3, 4), torch.empty(3, 4)
+    deferred = pack_module("nodes.clip_loader")._DeferredCopies([mapping])
+    with deferred:
+        written.copy_(view)
+        written.fill_(7.0)  # ComfyUI writes the destination again
+        read.copy_(view)
+        total = read.sum()
+        cloned = view.clone()
+        cloned[0] = -1.0
+    deferred.make_copies()
+    assert torch.equal(written, torch.full((3, 4), 7.0))
+    assert total.item() == matrix.sum().item()
+    assert torch.equal(cloned[0], torch.full((4,), -1.0)) and torch.equal(cloned[1:], matrix[1:])
+    assert torch.equal(view, matrix)
+
+
+def test_a_clip_loaded_again_builds_its_handle_once_for_its_own_settings(te_names, caplog):
+    """Newest ComfyUI loads a model again through the loader (``cached_patcher_init``) and clones the patcher it
+    gets: the clone builds the one handle, at its first load, with the settings of the node it came through."""
+    from comfy.model_patcher import ModelPatcher
+
+    if "force_deepcopy" not in inspect.signature(ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no deep clones")
+    expected = encodings(load("qwen_image", te_names))
+    clip = offloaded(load_in_the_files("qwen_image", te_names), SETTINGS["synchronous"])
+    deep = clip.clone()
+    with caplog.at_level(logging.INFO):
+        deep.patcher = clip.patcher.clone(force_deepcopy=True)
+        deep.cond_stage_model = deep.patcher.model
+        assert deep.patcher.model is not clip.patcher.model
+        assert pack_module("nodes.model_state").state_of(deep.patcher.model).handle is None  # nothing packed yet
+        assert_identical(encodings(deep), expected)
+    builds = [r for r in caplog.records if "of the blocks packed in host memory" in r.getMessage()]
+    assert len(builds) == 1
+    assert pack_module("nodes.handles").built_for(deep.patcher.model) == clip.patcher.offload_settings.handle_layout()
 
 
 def test_the_readout_names_the_encoders_loaded_whole(te_names):
