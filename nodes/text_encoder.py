@@ -5,10 +5,12 @@ side, as CLIP-L, CLIP-G and T5 for SD3); its patcher's model is that module. The
 the weights owns the blocks (``blocks.own_text_encoder_layers``); the others load as ComfyUI loads them. The
 patcher is the diffusion model's ``GroupOffloadPatcher``, with the same engine and settings; what differs is
 only when it runs: ComfyUI loads a CLIP's patcher before each encode (``CLIP.load_model``), and no sampler calls
-its ``pre_run`` / ``cleanup``, so each call of the owning encoder is one run for the telemetry.
+its ``pre_run`` / ``cleanup``, so each call of the owning encoder is one run for the telemetry, which that call
+ends, interrupted or not (``_end_interrupted_encodes``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -20,8 +22,8 @@ import comfy.sd
 
 from ..offload_core import format_bytes
 from .blocks import blocks_owner, encoders_left_whole, own_text_encoder_layers, owner_path
-from .handles import driving_patcher, host_limit
-from .model_state import state_of
+from .handles import driving_patcher, host_limit, stop_watching
+from .model_state import ModelState, state_of
 from .patcher import make_offloaded
 from .settings import OffloadSettings
 from .telemetry import finish_run, start_run, step_done
@@ -87,3 +89,39 @@ def _hook_encodes(text_encoders: nn.Module) -> None:
     owner = blocks_owner(text_encoders)
     owner.register_forward_pre_hook(encode_starts)
     owner.register_forward_hook(encode_ends, always_call=True)
+    _end_interrupted_encodes(owner, state, model_ref)
+
+
+def _end_interrupted_encodes(owner: nn.Module, state: ModelState, model_ref: "weakref.ref[nn.Module]") -> None:
+    """End an encode that ComfyUI interrupts as the forward hooks end the others.
+
+    torch runs forward hooks after an exception only for an ``Exception``; ComfyUI 0.33's
+    ``InterruptProcessingException`` is a ``BaseException``, raised by the next op once the user interrupts. A
+    diffusion model's sampler then ends the run in its ``cleanup``; a text encoder has none, so the owner's forward
+    does it: the watch of the call that learns the entries off the torch function mode stack (or every later torch
+    call on this thread goes through it), the groups' runs closed, the telemetry's run finished. The wrapper holds
+    the owner weakly (its own ``forward`` attribute would make a reference cycle otherwise).
+    """
+    forward, owner_ref = type(owner).forward, weakref.ref(owner)
+
+    @functools.wraps(forward)
+    def forward_ending_interrupts(*args, **kwargs):
+        try:
+            return forward(owner_ref(), *args, **kwargs)
+        except Exception:
+            raise  # (the forward hooks end it)
+        except BaseException:
+            _end_encode(model_ref(), state)
+            raise
+
+    owner.forward = forward_ending_interrupts
+
+
+def _end_encode(model: nn.Module | None, state: ModelState) -> None:
+    """What the forward hooks and a sampler's ``cleanup`` do at the end of a call, for an interrupted encode."""
+    stop_watching(state)
+    handle = state.handle() if state.handle is not None else None
+    if handle is not None:
+        handle.close_open_groups()
+    if model is not None:
+        finish_run(model)

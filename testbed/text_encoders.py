@@ -5,8 +5,8 @@ few layers and tiny widths, a few MB per file.
 Each file is the state dict of ComfyUI's own text model (``comfy.text_encoders.t5.T5``, ``comfy.clip_model.
 CLIPTextModel``, the ``comfy.text_encoders.llama`` models) built on the meta device from its real config with tiny
 widths, in the key layout real files have, seeded (``fixture_models.fill_seeded``) and cached. Files whose
-tokenizer lives in the file (umt5) carry ComfyUI's own sentencepiece model (``t5_pile_tokenizer``) as
-``spiece_model``.
+tokenizer lives in the file carry one ComfyUI reads: umt5 ComfyUI's own sentencepiece model (``t5_pile_tokenizer``)
+as ``spiece_model``, Mistral 3 (Flux.2) a tiny tekken vocabulary (:func:`tiny_tekken`) as ``tekken_model``.
 
 ComfyUI detects a text encoder from keys and shapes (``comfy.sd.detect_te_model``, some of it by layer index or
 real width) and builds it from hard-coded configs; :func:`narrow_text_encoder_configs` (TEST ONLY) makes it detect
@@ -15,12 +15,13 @@ are untouched: the narrowing only sees state dicts narrower than any real text e
 
 API: :func:`text_encoder_file` ``(encoder, ...)``, :data:`ENCODERS` (one file each), :data:`TEXT_ENCODER_FAMILIES`
 (a loader, its ``type`` and the files; :meth:`TextEncoderFamily.available` says whether the ComfyUI in use has it),
-:func:`use_text_encoders_in_process`,
+:func:`use_text_encoders_in_process`, :func:`tiny_tekken` (:func:`comfyui_reads_tekken`: whether ComfyUI can read it),
 :func:`text_encoder_gguf_file`. Importing it does not import ComfyUI; the generators do.
 """
 from __future__ import annotations
 
 import contextlib
+import base64
 import contextvars
 import functools
 import importlib
@@ -106,7 +107,7 @@ class Encoder:
     requires: tuple[str, ...] = ()
     min_layers: int = 1
     vision: dict[str, int] = field(default_factory=dict)
-    spiece_model: bool = False
+    tokenizer: str | None = None  # the key of the tokenizer the file carries (:data:`_TOKENIZERS`)
 
     @property
     def architecture(self) -> str:
@@ -144,7 +145,7 @@ _LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 40960, "num_attention_hea
 # The tiny files, by name; a state dict is the first encoder here that it matches.
 ENCODERS: dict[str, Encoder] = {
     "umt5_xxl": Encoder("T5_XXL", "umt5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 256384, _UMT5_TINY,
-                        json_config="comfy/text_encoders/umt5_config_xxl.json", spiece_model=True),
+                        json_config="comfy/text_encoders/umt5_config_xxl.json", tokenizer="spiece_model"),
     "t5_xxl": Encoder("T5_XXL", "t5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 32128, _T5_TINY,
                       json_config="comfy/text_encoders/t5_config_xxl.json"),
     # ComfyUI tells CLIP-G by its layer 30 (detection and SDXLClipModel.load_sd), so the tiny one keeps its 32.
@@ -163,7 +164,59 @@ ENCODERS: dict[str, Encoder] = {
     "qwen3_4b": Encoder("QWEN3_4B", "qwen3_4b", "comfy.text_encoders.llama.Qwen3_4B", "model.embed_tokens.weight",
                         151936, {**_LLAMA_TINY, "intermediate_size": 32768, "num_hidden_layers": 3},
                         llama_config="Qwen3_4BConfig", min_layers=3),
+    # Flux.2 takes layers 10, 20 and 30: 31 layers at least; half as wide as the others, so that its real vocabulary
+    # (131072 rows) stays below its layers.
+    "mistral3_24b": Encoder("MISTRAL3_24B", "mistral3_24b", "comfy.text_encoders.llama.Mistral3Small24B",
+                            "model.embed_tokens.weight", 131072,
+                            {**_LLAMA_TINY, "hidden_size": 32, "intermediate_size": 2048, "num_hidden_layers": 31},
+                            llama_config="Mistral3Small24BConfig", min_layers=31, tokenizer="tekken_model"),
 }
+
+
+# A tekken file (Mistral's tokenizer, JSON) as ComfyUI's readers take it: the real special tokens' ranks where
+# ComfyUI's Flux.2 template and tokenizer use them (the others of the real 1000 are placeholders), the 256 bytes and
+# a few merges of them (each of two pieces before it), the real pattern, vocabulary size and version.
+_TEKKEN_SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 11: "<pad>", 17: "[SYSTEM_PROMPT]",
+                   18: "[/SYSTEM_PROMPT]"}
+_TEKKEN_MERGES = ("th", "he", "in", "er", "an", "at", "on", "ou", " a", " t", " c", " o", " l", "the", " th", " the",
+                  " at", " cat", " of", " on")
+_TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                   r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+                   r"\s+(?!\S)|\s+")
+
+
+def tiny_tekken(vocab_size: int = 131072, specials: int = 1000) -> bytes:
+    """A tekken vocabulary (JSON) of the 256 bytes and :data:`_TEKKEN_MERGES`, with Mistral's special tokens."""
+    pieces = [bytes([b]) for b in range(256)] + [merge.encode() for merge in _TEKKEN_MERGES]
+    vocab = [{"rank": rank, "token_bytes": base64.b64encode(piece).decode(), "token_str": piece.decode("latin-1")}
+             for rank, piece in enumerate(pieces)]
+    special = [{"rank": rank, "token_str": _TEKKEN_SPECIAL.get(rank, f"<SPECIAL_{rank}>"), "is_control": True}
+               for rank in range(specials)]
+    config = {"pattern": _TEKKEN_PATTERN, "num_vocab_tokens": len(pieces) + specials,
+              "default_vocab_size": vocab_size, "default_num_special_tokens": specials, "version": "v7"}
+    return json.dumps({"config": config, "vocab": vocab, "special_tokens": special}).encode()
+
+
+def _spiece_model() -> bytes:
+    return (comfyui_path() / SPIECE_MODEL).read_bytes()
+
+
+# The tokenizers a file can carry, by key.
+_TOKENIZERS = {"spiece_model": _spiece_model, "tekken_model": tiny_tekken}
+
+
+@functools.cache
+def comfyui_reads_tekken() -> bool:
+    """Whether the ComfyUI in use reads a tekken vocabulary (0.3.75 hands it to transformers' ``MistralConverter``
+    through an API that transformers 5 no longer has)."""
+    prepare_comfy_import()
+    import comfy.text_encoders.flux
+
+    try:
+        comfy.text_encoders.flux.load_mistral_tokenizer(tiny_tekken())
+    except TypeError:
+        return False
+    return True
 
 
 def _identify(sd: dict[str, Any]) -> Encoder | None:
@@ -293,9 +346,8 @@ def make_text_encoder(path: Path, encoder: str, num_layers: int | None = None, s
     tiny widths or ``widths``."""
     spec = ENCODERS[encoder]
     tensors = fill_seeded(text_encoder_shapes(spec, num_layers, dtype, widths), seed, dtype)
-    if spec.spiece_model:
-        tensors["spiece_model"] = torch.frombuffer(bytearray((comfyui_path() / SPIECE_MODEL).read_bytes()),
-                                                   dtype=torch.uint8)
+    if spec.tokenizer is not None:
+        tensors[spec.tokenizer] = torch.frombuffer(bytearray(_TOKENIZERS[spec.tokenizer]()), dtype=torch.uint8)
     return save_safetensors(tensors, path)
 
 
@@ -333,8 +385,10 @@ class TextEncoderFamily:
         import comfy.sd
 
         types = nodes.NODE_CLASS_MAPPINGS[self.loader].INPUT_TYPES()["required"]["type"][0]
-        return self.type in types and all(ENCODERS[name].te_model in comfy.sd.TEModel.__members__
-                                          for name in self.encoders)
+        tokenizers = {ENCODERS[name].tokenizer for name in self.encoders}
+        return (self.type in types and all(ENCODERS[name].te_model in comfy.sd.TEModel.__members__
+                                           for name in self.encoders)
+                and ("tekken_model" not in tokenizers or comfyui_reads_tekken()))
 
     def inputs(self, names: dict[str, str]) -> dict[str, str]:
         """The loader's inputs for the files ``names`` (encoder -> file name in ``text_encoders``)."""
@@ -353,12 +407,18 @@ TEXT_ENCODER_FAMILIES: dict[str, TextEncoderFamily] = {
                               _CLIP_TINY["projection_dim"]),
     "sdxl": TextEncoderFamily("DualCLIPLoader", "sdxl", ("clip_l", "clip_g"), 2 * _CLIP_TINY["hidden_size"],
                               _CLIP_TINY["projection_dim"]),
+    # SD3 pads CLIP-L's and CLIP-G's outputs to T5-XXL's width and pools CLIP-L's hidden state unprojected. (With a T5
+    # beside them, TripleCLIPLoader, the T5 must be 4096 wide: its embedding alone is 263 MB in bf16.)
+    "sd3": TextEncoderFamily("DualCLIPLoader", "sd3", ("clip_l", "clip_g"), 4096,
+                             _CLIP_TINY["hidden_size"] + _CLIP_TINY["projection_dim"]),
+    # Flux.2 stacks the hidden states of layers 10, 20 and 30.
+    "flux2": TextEncoderFamily("CLIPLoader", "flux2", ("mistral3_24b",), 3 * ENCODERS["mistral3_24b"].tiny["hidden_size"]),
 }
 
 
 # A CLIPSetLastLayer that changes what these families encode (SDXL takes layer -2 already; the others keep fixed
 # layers).
-CHANGING_LAST_LAYER = {"flux": -2, "sdxl": -3}
+CHANGING_LAST_LAYER = {"flux": -2, "sdxl": -3, "sd3": -3}
 
 
 def encode_text(clip, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:

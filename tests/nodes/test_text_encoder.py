@@ -1,7 +1,7 @@
 """Group Offload (text encoder) and Load CLIP (Group Offload): the conditioning is ComfyUI's own, bit for bit, for
 every text-encoder family the ComfyUI in use has (tiny encoders of ComfyUI's own classes, ``testbed.text_encoders``),
-through clones, CLIPSetLastLayer and a CLIP LoRA on either side of the node; and the offloaded CLIP's handle goes with
-it."""
+through clones, CLIPSetLastLayer and a CLIP LoRA on either side of the node, and after an interrupted encode; and the
+offloaded CLIP's handle goes with it."""
 from __future__ import annotations
 
 import gc
@@ -266,3 +266,35 @@ def test_a_gguf_text_encoder_streams_at_its_quantized_size_and_encodes_as_comfyu
     assert stats["streamed_bytes_per_pass"] <= raw * 1.05  # at the file's size (the mirrors' alignment aside)
     formats = pack_module("nodes.telemetry").last_run(clip_offloaded.patcher.model)["formats"]
     assert f"GGUF {qtype}" in [name for name, _ in formats]  # (K-quants: the rows of 64 values are stored in F16)
+
+
+@pytest.mark.parametrize("when", ["first", "later"])
+@pytest.mark.parametrize("name", ["qwen_image", "flux"])
+def test_an_interrupted_encode_leaves_nothing_behind_and_the_next_encodes_as_comfyui(name, when, te_names,
+                                                                                     fake_cudart):
+    """ComfyUI's interrupt (``interrupt_current_processing``; the next op of ``comfy.ops`` raises, a
+    ``BaseException`` in 0.33) in the owning encoder's second layer, in the encode that learns the entries or in a
+    later one: no watch stays on the torch function mode stack, no group's run and no telemetry run stays open,
+    nothing more is pinned, the next encodes are ComfyUI's, and everything goes with the CLIP."""
+    import comfy.model_management as mm
+
+    expected = encodings(load(name, te_names))
+    clip = offloaded(load(name, te_names))
+    if when == "later":
+        text_encoders.encode_text(clip, PROMPTS[1])
+    hook = clip.patcher.blocks()[1].register_forward_pre_hook(lambda module, args: mm.interrupt_current_processing())
+    with pytest.raises(mm.InterruptProcessingException):
+        text_encoders.encode_text(clip, PROMPTS[0])
+    hook.remove()
+    handle, state = handle_of(clip), pack_module("nodes.model_state").state_of(clip.patcher.model)
+    assert torch._C._len_torch_function_stack() == 0 and state.watch is None
+    assert state.run is None and not any(handle.is_open(group) for group in handle.groups)
+    streamed = sorted(group.mirror.buffer.nbytes for group in handle.groups if group.mirror.pinned)
+    assert streamed and sorted(fake_cudart.registered.values()) == streamed
+    assert_identical(encodings(clip), expected)
+    assert pack_module("nodes.telemetry").last_run(clip.patcher.model)["final"]
+    mm.unload_all_models()
+    del clip, handle
+    gc.collect()
+    assert fake_cudart.registered_bytes == 0 == mm.TOTAL_PINNED_MEMORY
+    assert torch._C._len_torch_function_stack() == 0
