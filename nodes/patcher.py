@@ -401,13 +401,16 @@ class GroupOffloadPatcher(ModelPatcher):
         return self._run_reads_stack
 
 
+_META = torch.device("meta")  # (a placeholder has no bytes to bring back)
+
+
 def _blocks_to_the_host(blocks: list[nn.Module], host: torch.device) -> None:
     """Blocks that a plain patcher of the model left on the device come back to the host before a handle is built
     on them: ComfyUI hands a loaded model over to a clone without moving its weights back (``load_models_gpu``
     detaches the other clones with ``unpatch_all=False``), and the build packs a tensor off the host whatever the
     host budget allows."""
     for block in blocks:
-        if any(t.device != host for t in (*block.parameters(), *block.buffers())):
+        if any(t.device not in (host, _META) for t in (*block.parameters(), *block.buffers())):
             block.to(host)
 
 
