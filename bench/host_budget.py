@@ -40,7 +40,7 @@ import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload
 from testbed.comfy_boot import comfyui_path, comfyui_version
 from testbed.fixture_models import ModelDir, tiny_qwen_image_file
 from testbed.host_budget_driver import DROP_CACHES, run_in_fresh_process
-from reporting import fmt, markdown_table, replace_section
+from reporting import fmt, markdown_table, publish
 from testbed.host_budget_driver import GiB, MODEL, UNET_NAME
 
 log = logging.getLogger("host_budget")
@@ -384,9 +384,7 @@ def main(argv: list[str]) -> int:
                               for _ in range(rounds)] for version in versions(args.versions)}
     layers = (SMOKE_MODEL if args.smoke else MODEL)["num_layers"]
     markdown = section(measured, evict, file_bytes, layers, time.monotonic() - started)
-    print(markdown)
-    if not (args.smoke or args.dry_run):
-        replace_section(HEADING, markdown)
+    publish(HEADING, markdown, write=not (args.smoke or args.dry_run))
     return 0
 
 

@@ -29,7 +29,6 @@ released ones with the engine's policy.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -46,7 +45,7 @@ import torch
 import bench_paths  # noqa: F401  (puts the repository root on sys.path: offload_core, testbed)
 from host_budget import MB, STEPS, machine, model_dir, versions
 from testbed.host_budget_driver import run_in_fresh_process
-from reporting import fmt, markdown_table, replace_section
+from reporting import fmt, markdown_table, publish, section_arguments
 from testbed.host_budget_driver import UNET_NAME
 
 log = logging.getLogger("host_budget_box")
@@ -161,11 +160,7 @@ def measure_version(models, version, folder: Path, steps: int, smoke: bool) -> t
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--versions", help="ComfyUI versions of dev.py, comma-separated (default: the one in use)")
-    parser.add_argument("--dry-run", action="store_true", help="print the section, leave BENCHMARKS.md as it is")
-    parser.add_argument("--smoke", action="store_true", help="a 4-block model, 4 steps; implies --dry-run")
-    args = parser.parse_args(argv)
+    args = section_arguments(__doc__, "a 4-block model, 4 steps").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     started, rows, notes = time.monotonic(), [], []
     with tempfile.TemporaryDirectory(prefix="host-budget-box-") as folder:
@@ -181,9 +176,7 @@ def main(argv: list[str]) -> int:
         " ".join(notes),
         markdown_table(["ComfyUI", *HEADERS], rows),
     ])
-    print(markdown)
-    if not (args.smoke or args.dry_run):
-        replace_section(HEADING, markdown)
+    publish(HEADING, markdown, write=not (args.smoke or args.dry_run))
     return 0
 
 

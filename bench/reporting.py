@@ -1,6 +1,7 @@
 """Markdown tables and the sections of BENCHMARKS.md that the benchmark scripts rewrite."""
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,23 @@ def replace_section(heading: str, body: str, path: Path = BENCHMARKS_MD) -> None
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text.rstrip() + "\n")
+
+
+def section_arguments(doc: str, smoke: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that writes its section of BENCHMARKS.md: ``--versions``, ``--dry-run`` and
+    ``--smoke`` (``smoke``: what that runs)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--versions", help="ComfyUI versions of dev.py, comma-separated (default: the one in use)")
+    parser.add_argument("--dry-run", action="store_true", help="print the section, leave BENCHMARKS.md as it is")
+    parser.add_argument("--smoke", action="store_true", help=f"{smoke}; implies --dry-run")
+    return parser
+
+
+def publish(heading: str, markdown: str, write: bool) -> None:
+    """Print a benchmark's section, and put it in BENCHMARKS.md under ``## heading`` where ``write``."""
+    print(markdown)
+    if write:
+        replace_section(heading, markdown)
 
 
 def fmt(value: float | None, digits: int = 2) -> str:

@@ -89,16 +89,20 @@ def run_way(version, spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix(RESULTS_PREFIX))
 
 
-def measure(version, folder: Path, layers: int) -> dict[str, dict[str, Any]]:
+def text_encoder_file(layers: int, models: Path) -> Path:
+    """The benchmark's text encoder of ``layers`` layers (made once, cached), linked into ``models/text_encoders``."""
     from testbed import text_encoders
+    from testbed.fixture_models import link_or_copy
 
     source = text_encoders.cached_fixture("bench_te_qwen25_7b", text_encoders.make_text_encoder,
                                           encoder="qwen25_7b", num_layers=layers,
                                           widths={**text_encoders.ENCODERS["qwen25_7b"].tiny, **WIDTHS})
-    target = folder / "models" / "text_encoders" / source.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.exists():
-        target.symlink_to(source)
+    link_or_copy(source, models / "text_encoders" / source.name)
+    return source
+
+
+def measure(version, folder: Path, layers: int) -> dict[str, dict[str, Any]]:
+    source = text_encoder_file(layers, folder / "models")
     results = {}
     for way in WAYS:
         spec = {"way": way, "file": source.name, "models": str(folder / "models"),

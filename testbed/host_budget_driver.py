@@ -22,18 +22,25 @@ anonymous memory: ``host_budget_driver.py SPEC_JSON`` with the spec's keys
 - ``lru`` (optional): true to leave the page cache to the kernel's LRU, as before the engine kept a stable
   part of it (the patcher's ``_keep_page_cache`` does nothing);
 - ``through_cache`` (optional): true to read every group kept in place through the page cache, as before the
-  engine read the pages it does not keep cached around it (no file opens for direct reads).
+  engine read the pages it does not keep cached around it (no file opens for direct reads);
+- ``text_encoder`` (optional): a Qwen-Image workflow around the sampling (:class:`TextEncoderRun`): the text
+  encoder ``clip_name`` (in ``models/text_encoders``) loaded by ``node`` (``CLIPLoader`` or
+  ``GroupOffloadCLIPLoader``, with the offload inputs ``offload`` beside ``OFFLOAD_DEFAULTS``) before the diffusion
+  model, the first of ``prompts`` encoded, the model loaded and sampled (cfg 1), the second prompt encoded and the
+  model sampled again; both conditionings saved under ``conds``, both latents under ``latent``.
 
-It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other
-file-backed pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once
-ComfyUI's own load is done, ``loaded``, ``sampled``) with its peak since the mark before and its time; for each
-diffusion-model call (one a step) the handle's ``stats()`` after it (``calls``), its wall time
-(``call_seconds``) and the bytes the process read from storage meanwhile (``call_read_bytes``, from
-``/proc/self/io``: every thread, the kernel's read-ahead included); how much of the model file the page
-cache held as sampling started (``page_cache``); in a box, its ``memory.stat`` after each call
-(``box_stats``: ``total_cache``, ``total_rss``, in bytes) and its peak (``box_peak_bytes``); the bytes of
-each group kept in place (``in_place_group_bytes``); the limit that bound the host budget (``host_limit``);
-the ComfyUI and torch versions.
+It prints ``RESULTS {...}``: RssAnon (the process's anonymous resident memory; page cache and other file-backed
+pages not counted) at each mark (``before``, on the node's path ``comfyui_loaded`` once ComfyUI's own load is
+done, ``loaded``, ``sampled``) with its peak since the mark before and its time; for each diffusion-model call
+(one a step) the handle's ``stats()`` after it (``calls``), its wall time (``call_seconds``) and the bytes the
+process read from storage meanwhile (``call_read_bytes``, from ``/proc/self/io``: every thread, the kernel's
+read-ahead included); how much of the model file the page cache held as sampling started and as it ended
+(``page_cache``, ``page_cache_end``); in a box, its ``memory.stat`` after each call (``box_stats``:
+``total_cache``, ``total_rss``, in bytes) and its peak (``box_peak_bytes``); the bytes of each group kept in
+place (``in_place_group_bytes``); the limit that bound the host budget (``host_limit``); the ComfyUI and torch
+versions; with ``text_encoder``, under ``text_encoder`` each encode's seconds and bytes read from storage, and
+the text encoder's handle's ``stats()`` and host limit after each encode (``{}`` and None for ComfyUI's Load
+CLIP).
 """
 from __future__ import annotations
 
@@ -53,13 +60,13 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # run by path: the repository root, for testbed
 
 from offload_core import hostmem  # noqa: E402
-from testbed import gguf_files  # noqa: E402
+from testbed import gguf_files, text_encoders  # noqa: E402
 from testbed.comfy_boot import boot_comfyui_in_process, comfyui_path, comfyui_version  # noqa: E402
 from testbed.fixture_models import ModelDir, use_models_in_process, widen_qwen_detection  # noqa: E402
 from testbed.host_memory import rss_anon_bytes  # noqa: E402
 from testbed.node_runs import OFFLOAD_DEFAULTS, offload_handle  # noqa: E402
 from testbed.pack_modules import pack_module  # noqa: E402
-from testbed.run_nodes import run_node, run_txt2img  # noqa: E402
+from testbed.run_nodes import node_output, run_node, run_txt2img  # noqa: E402
 
 SEED = 5
 STEPS = 3
@@ -120,6 +127,35 @@ def load(spec: dict[str, Any], anon: AnonMarks):
         return plain
     anon.mark("comfyui_loaded")
     return run_node("GroupOffload", model=plain, **offload).outputs[0]
+
+
+class TextEncoderRun:
+    """The text encoder of a ``text_encoder`` spec: loaded as the spec says, then each prompt encoded (CLIPTextEncode)
+    with its seconds, the bytes read from storage meanwhile, and the handle's ``stats()`` and host limit after it."""
+
+    def __init__(self, spec: dict[str, Any], models: ModelDir) -> None:
+        text_encoders.use_text_encoders_in_process(models.models_dir)
+        offload = OFFLOAD_DEFAULTS | spec.get("offload", {}) if spec["node"] != "CLIPLoader" else {}
+        self.spec, self.conds, self.results = spec, [], {"encode_seconds": [], "encode_read_bytes": [], "after": []}
+        self.clip = node_output(spec["node"], clip_name=spec["clip_name"], type="qwen_image", **offload)
+
+    def encode(self, index: int) -> list:
+        """The CONDITIONING of prompt ``index``, noted."""
+        started, read_before = time.perf_counter(), io_read_bytes()
+        conditioning = node_output("CLIPTextEncode", clip=self.clip, text=self.spec["prompts"][index])
+        self.results["encode_seconds"].append(time.perf_counter() - started)
+        self.results["encode_read_bytes"].append(io_read_bytes() - read_before)
+        handle = pack_module("nodes.model_state").state_of(self.clip.patcher.model).handle
+        self.results["after"].append({
+            "stats": {} if handle is None else handle().stats(),
+            "host_limit": pack_module("nodes.handles").host_limit(self.clip.patcher.model)})
+        self.conds.append(conditioning[0][0])
+        return conditioning
+
+
+def sample_on(model, conditioning: list, steps: int) -> torch.Tensor:
+    """The latent of ``model`` sampled on ``conditioning`` at cfg 1 (one model call a step)."""
+    return run_txt2img(model, seed=SEED, steps=steps, cfg=1.0, positive=conditioning, negative=conditioning).latent
 
 
 def io_read_bytes() -> int:
@@ -223,10 +259,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         pack_module("nodes.patcher")._keep_page_cache = lambda handle, base_model: None
     if spec.get("through_cache"):
         pack_module("offload_core.hostmem").open_direct = lambda descriptor: None
+    steps, workflow = spec.get("steps", STEPS), None
     with AnonMarks() as anon:
         anon.mark("before")
         if box is not None and spec.get("enter_box_before_load"):
             enter_box(box)
+        if "text_encoder" in spec:
+            workflow = TextEncoderRun(spec["text_encoder"], models)
+            conditioning = workflow.encode(0)
         model = load(spec, anon)
         anon.mark("loaded")
         calls = ModelCalls(model, offloaded=spec["via"] != "plain", box=box)
@@ -235,15 +275,21 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if box is not None and not spec.get("enter_box_before_load"):
             enter_box(box)
         cached = page_cache(model_file)
-        latent = run_txt2img(model, seed=SEED, steps=spec.get("steps", STEPS)).latent
+        if workflow is None:
+            latent = run_txt2img(model, seed=SEED, steps=steps).latent
+        else:
+            latent = [sample_on(model, conditioning, steps), sample_on(model, workflow.encode(1), steps)]
+            torch.save(workflow.conds, spec["text_encoder"]["conds"])
         anon.mark("sampled")
     torch.save(latent, spec["latent"])
     return {
+        **({} if workflow is None else {"text_encoder": workflow.results}),
         "rss_anon": anon.marks,
         "calls": calls.stats,
         "call_seconds": calls.seconds,
         "call_read_bytes": calls.read_bytes,
         "page_cache": cached,
+        "page_cache_end": page_cache(model_file),
         "in_place_group_bytes": [] if spec["via"] == "plain" else
         [group.nbytes for group in offload_handle(model).groups if not group.mirror.packed],
         "host_limit": None if spec["via"] == "plain" else pack_module("nodes.handles").host_limit(model.model),

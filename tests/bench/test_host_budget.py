@@ -137,6 +137,21 @@ def test_the_box_benchmark_runs_in_smoke():
                                                        "container: entered before loading, defaults"))
 
 
+def test_the_text_encoder_box_benchmark_runs_in_smoke():
+    """``bench/text_encoder_box.py --smoke``: the Qwen-Image workflow (text encoder, then DiT) of every row in a box,
+    with tiny files, each surviving with the conditionings and latents of plain ComfyUI (needs a memory cgroup (v1)
+    it may make one in)."""
+    import text_encoder_box
+
+    writable_memory_cgroup()
+    done = subprocess.run([sys.executable, text_encoder_box.__file__, "--smoke"], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, COMFYUI_PATH=str(comfyui_path())))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if any(f"| {name} |" in line for name in text_encoder_box.ROWS)]
+    assert len(rows) == len(text_encoder_box.ROWS)
+    assert all("| yes |" in line and line.endswith("| 0 / 0 |") for line in rows), rows
+
+
 # Four blocks of 9.5 MB: a file of 40 MB, twice the page cache of the box it is loaded in.
 BOXED_MODEL = {**MODEL, "num_layers": 4, "num_attention_heads": 2}
 BOXED_NAME = "boxed_qwen_image.safetensors"
