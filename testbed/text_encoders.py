@@ -1,6 +1,6 @@
 """Tiny text encoders that ComfyUI's own loaders (CLIPLoader, DualCLIPLoader, ComfyUI-GGUF's CLIPLoaderGGUF) load
 through ComfyUI's own classes: the real layer structure and the real vocabularies (so ComfyUI's tokenizers work),
-few layers and tiny widths, a few MB per file.
+few layers and tiny widths, a few MB per file (SD3's T5 beside its CLIPs, 4096 wide in fp8: 335 MB).
 
 Each file is the state dict of ComfyUI's own text model (``comfy.text_encoders.t5.T5``, ``comfy.clip_model.
 CLIPTextModel``, the ``comfy.text_encoders.llama`` models) built on the meta device from its real config with tiny
@@ -92,7 +92,9 @@ class Encoder:
     ``te_model`` is the ``comfy.sd.TEModel`` ComfyUI detects the real file as; ``model_name`` the name of its
     ``<model_name>_model_config`` option; ``model_class`` ComfyUI's text model, built from ``json_config`` (a file
     of the ComfyUI checkout) or, for the llama models, its config dataclass ``llama_config``. A tiny state dict is
-    this encoder's when its embedding (``embedding_key``) has ``vocab_size`` rows and every key of ``requires``.
+    this encoder's when its embedding (``embedding_key``) has ``vocab_size`` rows and every key of ``requires``, and
+    is narrower than any real one: its embedding's width, or where ``narrow_key`` is set, that projection's output
+    width (an attention's inner width). Its file is written in ``dtype``.
     """
 
     te_model: str
@@ -108,6 +110,8 @@ class Encoder:
     min_layers: int = 1
     vision: dict[str, int] = field(default_factory=dict)
     tokenizer: str | None = None  # the key of the tokenizer the file carries (:data:`_TOKENIZERS`)
+    narrow_key: str | None = None  # a projection narrow in its output where the embedding is real-width
+    dtype: torch.dtype = torch.bfloat16
 
     @property
     def architecture(self) -> str:
@@ -128,8 +132,11 @@ class Encoder:
     def matches(self, sd: dict[str, Any]) -> bool:
         """Whether ``sd`` is a tiny file of this encoder."""
         embedding = sd.get(self.embedding_key)
-        return (embedding is not None and embedding.shape[0] == self.vocab_size
-                and embedding.shape[1] <= TINY_WIDTH_LIMIT and all(key in sd for key in self.requires))
+        if embedding is None or embedding.shape[0] != self.vocab_size or not all(key in sd for key in self.requires):
+            return False
+        if self.narrow_key is None:
+            return embedding.shape[1] <= TINY_WIDTH_LIMIT
+        return self.narrow_key in sd and sd[self.narrow_key].shape[0] <= TINY_WIDTH_LIMIT
 
 
 # Narrow, with the real vocabularies, yet the layers hold most of the weights, as in every real text encoder (the
@@ -137,6 +144,11 @@ class Encoder:
 # holds most of a dual or triple CLIP's weights as in the real ones (T5 beside CLIP-L, CLIP-G beside CLIP-L).
 _T5_TINY = {"d_model": 64, "num_heads": 2, "d_kv": 32, "d_ff": 49152, "num_layers": 2}
 _UMT5_TINY = {**_T5_TINY, "d_ff": 65536}  # (its embedding is eight times T5's)
+# SD3's T5 beside CLIP-L and CLIP-G (TripleCLIPLoader): SD3ClipModel pads their output to 4096 before concatenating
+# the T5's, so this one is 4096 wide, in fp8 (as t5xxl_fp8_e4m3fn), narrow inside (2 heads of 32). Its layers must
+# hold most of the whole CLIP's weights (the block finder's rule): more than its embedding (32128 x 4096, 132 MB)
+# and the two CLIPs (57 MB as ComfyUI loads them, fp16) together; 2 x 3 x 4096 x 8192 bytes, 201 MB, do.
+_T5_4096_TINY = {**_T5_TINY, "d_model": 4096, "d_ff": 8192}
 _CLIP_TINY = {"hidden_size": 64, "intermediate_size": 12288, "num_attention_heads": 1, "projection_dim": 64}
 # Heads of the real width (128), fewer of them: 2 query heads over 1 key/value head, as the real ones group.
 _LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 40960, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -148,6 +160,9 @@ ENCODERS: dict[str, Encoder] = {
                         json_config="comfy/text_encoders/umt5_config_xxl.json", tokenizer="spiece_model"),
     "t5_xxl": Encoder("T5_XXL", "t5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 32128, _T5_TINY,
                       json_config="comfy/text_encoders/t5_config_xxl.json"),
+    "t5_xxl_4096": Encoder("T5_XXL", "t5xxl", "comfy.text_encoders.t5.T5", "shared.weight", 32128, _T5_4096_TINY,
+                           json_config="comfy/text_encoders/t5_config_xxl.json", dtype=torch.float8_e4m3fn,
+                           narrow_key="encoder.block.0.layer.0.SelfAttention.q.weight"),
     # ComfyUI tells CLIP-G by its layer 30 (detection and SDXLClipModel.load_sd), so the tiny one keeps its 32.
     "clip_g": Encoder("CLIP_G", "clip_g", "comfy.clip_model.CLIPTextModel", "text_model.embeddings.token_embedding.weight",
                       49408, {**_CLIP_TINY, "intermediate_size": 4096, "num_hidden_layers": 32},
@@ -351,16 +366,16 @@ def make_text_encoder(path: Path, encoder: str, num_layers: int | None = None, s
     return save_safetensors(tensors, path)
 
 
-def text_encoder_file(encoder: str, *, dtype: torch.dtype = torch.bfloat16, num_layers: int | None = None,
+def text_encoder_file(encoder: str, *, dtype: torch.dtype | None = None, num_layers: int | None = None,
                       seed: int = 0) -> Path:
-    """Cached :func:`make_text_encoder`: a tiny text-encoder file of :data:`ENCODERS` (``num_layers`` None: its
-    default), loadable once :func:`narrow_text_encoder_configs` ran."""
+    """Cached :func:`make_text_encoder`: a tiny text-encoder file of :data:`ENCODERS` (``num_layers``, ``dtype``
+    None: its defaults), loadable once :func:`narrow_text_encoder_configs` ran."""
     if encoder not in ENCODERS:
         raise ValueError(f"unknown text encoder {encoder!r}; one of {', '.join(ENCODERS)}")
     spec = ENCODERS[encoder]
     num_layers = spec.tiny[spec.layers_key] if num_layers is None else num_layers  # in the cache key
     return cached_fixture(f"tiny_te_{encoder}", make_text_encoder, encoder=encoder, num_layers=num_layers,
-                          seed=seed, dtype=dtype, widths=spec.tiny)
+                          seed=seed, dtype=spec.dtype if dtype is None else dtype, widths=spec.tiny)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,12 +384,13 @@ def text_encoder_file(encoder: str, *, dtype: torch.dtype = torch.bfloat16, num_
 
 @dataclass(frozen=True)
 class TextEncoderFamily:
-    """How a workflow loads a family's text encoder: ``loader`` (a ComfyUI node) with ``type`` and the files of
-    ``encoders`` (in the loader's ``clip_name1``, ``clip_name2``... order); ``width`` is the conditioning's last
-    dimension with the tiny defaults, ``pooled`` the pooled output's width (None: the family has none)."""
+    """How a workflow loads a family's text encoder: ``loader`` (a ComfyUI node) with ``type`` (None: the loader
+    has none) and the files of ``encoders`` (in the loader's ``clip_name1``, ``clip_name2``... order); ``width`` is
+    the conditioning's last dimension with the tiny defaults, ``pooled`` the pooled output's width (None: the family
+    has none)."""
 
     loader: str
-    type: str
+    type: str | None
     encoders: tuple[str, ...]
     width: int
     pooled: int | None = None
@@ -384,18 +400,18 @@ class TextEncoderFamily:
         nodes = boot_comfyui_in_process()
         import comfy.sd
 
-        types = nodes.NODE_CLASS_MAPPINGS[self.loader].INPUT_TYPES()["required"]["type"][0]
+        inputs = nodes.NODE_CLASS_MAPPINGS[self.loader].INPUT_TYPES()["required"]
         tokenizers = {ENCODERS[name].tokenizer for name in self.encoders}
-        return (self.type in types and all(ENCODERS[name].te_model in comfy.sd.TEModel.__members__
-                                           for name in self.encoders)
+        return ((self.type is None or self.type in inputs["type"][0])
+                and all(ENCODERS[name].te_model in comfy.sd.TEModel.__members__ for name in self.encoders)
                 and ("tekken_model" not in tokenizers or comfyui_reads_tekken()))
 
     def inputs(self, names: dict[str, str]) -> dict[str, str]:
         """The loader's inputs for the files ``names`` (encoder -> file name in ``text_encoders``)."""
         files = [names[encoder] for encoder in self.encoders]
-        if len(files) == 1:
-            return {"clip_name": files[0], "type": self.type}
-        return {**{f"clip_name{i}": name for i, name in enumerate(files, 1)}, "type": self.type}
+        inputs = ({"clip_name": files[0]} if len(files) == 1
+                  else {f"clip_name{i}": name for i, name in enumerate(files, 1)})
+        return inputs if self.type is None else {**inputs, "type": self.type}
 
 
 _HIDDEN = _LLAMA_TINY["hidden_size"]
@@ -407,10 +423,12 @@ TEXT_ENCODER_FAMILIES: dict[str, TextEncoderFamily] = {
                               _CLIP_TINY["projection_dim"]),
     "sdxl": TextEncoderFamily("DualCLIPLoader", "sdxl", ("clip_l", "clip_g"), 2 * _CLIP_TINY["hidden_size"],
                               _CLIP_TINY["projection_dim"]),
-    # SD3 pads CLIP-L's and CLIP-G's outputs to T5-XXL's width and pools CLIP-L's hidden state unprojected. (With a T5
-    # beside them, TripleCLIPLoader, the T5 must be 4096 wide: its embedding alone is 263 MB in bf16.)
+    # SD3 pads CLIP-L's and CLIP-G's outputs to T5-XXL's width and pools CLIP-L's hidden state unprojected.
     "sd3": TextEncoderFamily("DualCLIPLoader", "sd3", ("clip_l", "clip_g"), 4096,
                              _CLIP_TINY["hidden_size"] + _CLIP_TINY["projection_dim"]),
+    # With the T5 beside them (the T5 owns the layers, as in the real SD3).
+    "sd3_triple": TextEncoderFamily("TripleCLIPLoader", None, ("clip_l", "clip_g", "t5_xxl_4096"), 4096,
+                                    _CLIP_TINY["hidden_size"] + _CLIP_TINY["projection_dim"]),
     # Flux.2 stacks the hidden states of layers 10, 20 and 30.
     "flux2": TextEncoderFamily("CLIPLoader", "flux2", ("mistral3_24b",), 3 * ENCODERS["mistral3_24b"].tiny["hidden_size"]),
 }
@@ -418,7 +436,7 @@ TEXT_ENCODER_FAMILIES: dict[str, TextEncoderFamily] = {
 
 # A CLIPSetLastLayer that changes what these families encode (SDXL takes layer -2 already; the others keep fixed
 # layers).
-CHANGING_LAST_LAYER = {"flux": -2, "sdxl": -3, "sd3": -3}
+CHANGING_LAST_LAYER = {"flux": -2, "sdxl": -3, "sd3": -3, "sd3_triple": -3}
 
 
 def encode_text(clip, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -199,13 +199,25 @@ def test_a_clip_loaded_again_builds_its_handle_once_for_its_own_settings(te_name
     assert pack_module("nodes.handles").built_for(deep.patcher.model) == clip.patcher.offload_settings.handle_layout()
 
 
-def test_the_readout_names_the_encoders_loaded_whole(te_names):
-    clip = offloaded(load("sdxl", te_names))
+@pytest.mark.parametrize("name, whole", [("sdxl", ["clip_l"]), ("sd3_triple", ["clip_l", "clip_g"])])
+def test_the_readout_names_the_encoders_loaded_whole(name, whole, te_names):
+    clip = offloaded(load(name, te_names))
     encodings(clip)
     last = pack_module("nodes.telemetry").last_run(clip.patcher.model)
     assert last is not None and last["final"] and last["steps"] == 1
-    assert [name for name, _ in last["left_whole"]] == ["clip_l"]
+    assert [encoder for encoder, _ in last["left_whole"]] == whole
     assert last["streamed_groups"] == last["groups"] > 0
+
+
+def test_sd3s_fp8_t5_streams_its_layers_at_one_byte_a_weight(te_names):
+    """TripleCLIPLoader keeps the T5 in the dtype it reads from the weights (fp8, as t5xxl_fp8_e4m3fn): its layers
+    are the blocks and stream at the file's size."""
+    clip = offloaded(load("sd3_triple", te_names))
+    text_encoders.encode_text(clip, PROMPTS[0])
+    matrices = [p for block in clip.patcher.blocks() for p in block.parameters() if p.dim() >= 2]
+    assert len(clip.patcher.blocks()) == text_encoders.ENCODERS["t5_xxl_4096"].tiny["num_layers"]
+    assert {p.dtype for p in matrices} == {torch.float8_e4m3fn}
+    assert handle_of(clip).stats()["streamed_bytes_per_pass"] <= sum(p.nbytes for p in matrices) * 1.05
 
 
 def test_a_text_encoder_the_node_cannot_group_is_refused_naming_its_class(te_names, comfy_models):
