@@ -50,7 +50,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from offload_core import hostmem  # noqa: E402
 from testbed import gguf_files, text_encoders  # noqa: E402
 from testbed.comfy_boot import boot_comfyui_in_process, comfyui_path, comfyui_version  # noqa: E402
 from testbed.fixture_models import ModelDir, use_models_in_process, widen_qwen_detection  # noqa: E402
-from testbed.host_memory import rss_anon_bytes  # noqa: E402
+from testbed.host_memory import PeakAnonymous, rss_anon_bytes  # noqa: E402
 from testbed.node_runs import OFFLOAD_DEFAULTS, offload_handle  # noqa: E402
 from testbed.pack_modules import pack_module  # noqa: E402
 from testbed.run_nodes import node_output, run_node, run_txt2img  # noqa: E402
@@ -79,38 +78,22 @@ UNET_NAME = "host_budget_qwen_image.safetensors"
 GiB = 1024**3  # the unit of host_gb (``OffloadSettings.host_bytes``)
 
 
-class AnonMarks:
+class AnonMarks(PeakAnonymous):
     """RssAnon at named marks, with its peak since the mark before, read every 20 ms by a thread: the kernel
     keeps no peak of it (``VmHWM`` counts file-backed pages too); and when each mark was (``at_s``, seconds
     since the marks began)."""
 
     def __init__(self) -> None:
+        super().__init__(SAMPLE_EVERY_S)
         self.marks: dict[str, dict[str, float]] = {}
         self._started = time.perf_counter()
-        self._lock = threading.Lock()
-        self._peak = rss_anon_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> "AnonMarks":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(SAMPLE_EVERY_S):
-            with self._lock:
-                self._peak = max(self._peak, rss_anon_bytes())
 
     def mark(self, name: str) -> None:
         """Note RssAnon now and its peak since the last mark; the next peak starts from now."""
         with self._lock:
             now = rss_anon_bytes()
-            self.marks[name] = {"now": now, "peak": max(self._peak, now), "at_s": time.perf_counter() - self._started}
-            self._peak = now
+            self.marks[name] = {"now": now, "peak": max(self.peak, now), "at_s": time.perf_counter() - self._started}
+            self.peak = now
 
 
 def load(spec: dict[str, Any], anon: AnonMarks):

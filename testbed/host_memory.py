@@ -56,11 +56,13 @@ class PeakAnonymous:
 
     def __init__(self, interval: float = 0.002) -> None:
         self.peak, self._interval, self._done = rss_anon_bytes(), interval, threading.Event()
+        self._lock = threading.Lock()  # (a subclass may start a new peak while the thread samples)
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._done.wait(self._interval):
-            self.peak = max(self.peak, rss_anon_bytes())
+            with self._lock:
+                self.peak = max(self.peak, rss_anon_bytes())
 
     def __enter__(self) -> "PeakAnonymous":
         self._thread.start()
