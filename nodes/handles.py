@@ -103,13 +103,14 @@ def build_handle(model: nn.Module, blocks: list[nn.Module], device: torch.device
     other_bytes = mm.module_size(model) - module_bytes(blocks)
     plan = plan_blocks(settings, raw_group_bytes(blocks, settings.blocks_per_group),  # so it pins what will stream
                        room_on_the_card(model, device, other_bytes))
+    block_bytes, freed_by_packing = module_bytes(blocks), anonymous_host_bytes(blocks)
     givable = 0 if is_text_encoder(model) else text_encoders_packing()
-    budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
-                         freed_by_packing=anonymous_host_bytes(blocks), givable=givable)
+    budget = host_budget(settings, block_bytes, packed_elsewhere=packed_host_bytes(),
+                         freed_by_packing=freed_by_packing, givable=givable)
     taken = take_text_encoders_packing(budget.taken_from_text_encoders)
     if budget.taken_from_text_encoders:  # the room as it is now, whatever the text encoders could give up
-        budget = host_budget(settings, module_bytes(blocks), packed_elsewhere=packed_host_bytes(),
-                             freed_by_packing=anonymous_host_bytes(blocks))
+        budget = host_budget(settings, block_bytes, packed_elsewhere=packed_host_bytes(),
+                             freed_by_packing=freed_by_packing)
     handle = apply_group_offload(
         model, blocks, device,
         offload_device="cpu",
@@ -165,7 +166,8 @@ def take_text_encoders_packing(nbytes: int) -> int:
             break
         if not handle.returnable_bytes():
             continue
-        for patcher in list(state_of(model).offload_patchers)[:1]:  # (the model's device memory, not a patcher's)
+        patcher = next(iter(state_of(model).offload_patchers), None)  # (any: the device memory is the model's)
+        if patcher is not None:
             patcher.release_handle_memory()  # taken off what ComfyUI counts as loaded too
         freed = handle.give_up_packing(nbytes - taken)
         if freed:

@@ -219,9 +219,9 @@ class GroupOffloadHandle:
         resident groups go first (their host copy is read once per load), then the streamed ones, last first.
         Every group leaves the device first. Nothing is given up where a file changed on disk since the build
         (its views no longer hold what was packed). Returns the bytes freed."""
-        returnable = sorted((g for g in self.groups if g.returnable), key=lambda g: (not g.resident, -g.index))
         if at_least <= 0 or not self.returnable_bytes():
             return 0
+        returnable = sorted((g for g in self.groups if g.returnable_bytes), key=lambda g: (not g.resident, -g.index))
         self.release_device_memory()
         mappings, freed = FileMappings(), 0
         for group in returnable:

@@ -216,7 +216,7 @@ class ModuleGroup:
 
     ``files``: where the tensors may lie in mapped files. A group kept in place reads them there. Given
     ``returnable_files``, a packed group keeps aliases of its tensors that lie in read-only file mappings
-    (``returnable``), so that its packed mirror can be given up later (``return_to_files``); their files are
+    (``returnable_bytes``), so that its packed mirror can be given up later (``return_to_files``); their files are
     added to ``returnable_files``, whose identity the caller seals.
     """
 
@@ -243,7 +243,7 @@ class ModuleGroup:
             binding.last = binding.first + len(tensors)
             self.bindings.append(binding)
         del found, flattened
-        # A packed group's tensors in their files, None for those outside them (``returnable``).
+        # A packed group's tensors in their files, None for those outside them (``returnable_bytes``).
         self._file_views: list[torch.Tensor | None] | None = None
         with torch.inference_mode(self.inference):
             if packed:
@@ -252,7 +252,6 @@ class ModuleGroup:
                 self._pack(inner, fill)
             else:
                 self._keep_in_place(inner, *files)
-        self.returnable_bytes = self._bytes_in_files()
         plain = [b for b in self.bindings if type(b) is _Binding]
         self._params = [b.param for b in plain if b.param is not None]
         self._buffer_slots = [(slots, name, b.first) for b in plain for slots, name in b.buffer_slots]
@@ -288,12 +287,9 @@ class ModuleGroup:
             binding.show(HOST, self.mirror.views)
 
     @property
-    def returnable(self) -> bool:
-        """Whether the packed mirror can be given up for the files its tensors were views of (``return_to_files``)."""
-        return self._file_views is not None
-
-    def _bytes_in_files(self) -> int:
-        """The packed bytes ``return_to_files`` would free: the slots of the tensors that lie in files."""
+    def returnable_bytes(self) -> int:
+        """The packed bytes ``return_to_files`` would free (0: it cannot give its packed mirror up): the slots of
+        the tensors that lie in files."""
         if self._file_views is None:
             return 0
         slots = slot_bytes(self.mirror.segments, self.mirror.nbytes)
@@ -304,6 +300,7 @@ class ModuleGroup:
         file, a norm's vector say, copied out of the mirror), kept in place from now on; returns the bytes of
         them in files (``returnable_bytes``: the host memory freed, but for the copies). The group must be off the
         device (``offload_``)."""
+        freed = self.returnable_bytes
         self.mirror.unpin()
         with torch.inference_mode(self.inference):
             views = [view if view is not None else packed.clone()
@@ -312,7 +309,6 @@ class ModuleGroup:
             for binding in self._wrappers:
                 binding.forget_host_layout()
             self._keep_in_place(views, mappings, sources)
-        freed, self.returnable_bytes = self.returnable_bytes, 0
         return freed
 
     @property

@@ -57,7 +57,7 @@ def build_groups(model: nn.Module, blocks: list[nn.Module], blocks_per_group: in
                  returnable: bool = False) -> tuple[list[ModuleGroup], SourceFiles, SourceFiles]:
     """``blocks`` in groups of ``blocks_per_group``, each with its host copy (``apply_group_offload`` says
     which); the mapped files that the groups kept in place read from; and (``returnable``) those the packed
-    groups can be given back to (``ModuleGroup.returnable``: sealed, without a lease, since nothing reads them)."""
+    groups can be given back to (``ModuleGroup.returnable_bytes``: sealed, without a lease, since nothing reads them)."""
     qualnames = {id(m): (name + "." if name else "") for name, m in model.named_modules(remove_duplicate=False)}
     chunks = split_into_groups(blocks, blocks_per_group)
     check_unshared(model, chunks, qualnames)
